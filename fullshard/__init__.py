@@ -1,0 +1,29 @@
+"""fullshard: Fully Sharded Data Parallel (ZeRO-2 / ZeRO-3) training for PyTorch.
+
+Every parameter is split along its first dimension across the ranks; a unit of the model is
+gathered just before it runs and its gradients are reduce-scattered right after, so each rank
+keeps about 1/N of the model state.
+"""
+
+from fullshard.api.functional import fsdp
+from fullshard.config import FSDPBucketingStrategy, FSDPType, ShardingStrategy
+from fullshard.distributed.comm import comm_stats, reset_comm_stats
+from fullshard.engine.full_state import full_state_dict, load_full_state_dict
+from fullshard.engine.memory import memory_stats, reset_memory_stats
+from fullshard.engine.module import FullyShardedModule
+
+__all__ = [
+    "FSDPBucketingStrategy",
+    "FSDPType",
+    "FullyShardedModule",
+    "ShardingStrategy",
+    "comm_stats",
+    "fsdp",
+    "full_state_dict",
+    "load_full_state_dict",
+    "memory_stats",
+    "reset_comm_stats",
+    "reset_memory_stats",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""The user-facing doors onto the engine: `fsdp()`, `FSDPStrategy` and `Fabric`."""

@@ -1,0 +1,128 @@
+"""`fullshard.fsdp()`: the functional door onto the engine (thunder's signature).
+
+It validates what the user passed, builds the (replicate, shard) mesh for the strategy, and
+hands everything to `engine.sharding.shard_module`. It owns no sharding logic.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fullshard.config import (
+    FSDPBucketingStrategy,
+    FSDPType,
+    resolve_bucketing_strategy,
+    resolve_sharding_strategy,
+)
+from fullshard.distributed.mesh import build_mesh
+from fullshard.engine.module import is_wrapped
+from fullshard.engine.sharding import shard_module
+
+
+def default_device() -> torch.device:
+    """The current CUDA device when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def fsdp(
+    model: nn.Module,
+    *,
+    device: torch.device | str | int | None = None,
+    broadcast_from: int | None = None,
+    sharding_strategy: FSDPType | str | object = FSDPType.ZERO2,
+    bucketing_strategy: FSDPBucketingStrategy | str = FSDPBucketingStrategy.NONE,
+    move_state_dict_to_cpu: bool | None = None,
+    auto_wrap_policy: object = None,
+    device_mesh: object = None,
+    prefetch_limit: int = 1,
+    max_pending_reductions: int = 2,
+) -> nn.Module:
+    """Shard `model` in place over the default process group and return it.
+
+    Args:
+        device: where the shards live (default: the current CUDA device, else CPU).
+        broadcast_from: a global rank whose parameter and buffer values become everyone's;
+            each rank receives only its own shard (one scatter per bucket).
+        sharding_strategy: `FSDPType.ZERO3` / `ZERO2`, or a `ShardingStrategy` (also torch's)
+            or its name: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD.
+        bucketing_strategy: `FSDPBucketingStrategy` NONE (a collective per parameter), LAYER
+            (per leaf module) or BLOCK (per unit), or its name.
+        move_state_dict_to_cpu: default of `full_state_dict(cpu_offload=...)` (None: True).
+        auto_wrap_policy: which modules become units (see `fullshard.engine.wrap`).
+        device_mesh: HYBRID_SHARD only: `(replicate, shard)` or a 2-D `DeviceMesh`.
+        prefetch_limit: units gathered ahead of the one running (0 disables prefetch).
+        max_pending_reductions: gradient reductions left in flight during backward.
+
+    After the call, `model.named_parameters()` yields this rank's shards under the original
+    names: build the optimizer afterwards. Gradients are averaged over all ranks, as DDP does.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fsdp() expects an nn.Module, got {type(model).__name__}")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "fullshard.fsdp() needs torch.distributed to be initialized. Call "
+            "torch.distributed.init_process_group(backend='gloo' or 'nccl') first, or launch "
+            "through `fullshard run` / fullshard.Fabric."
+        )
+    if is_wrapped(model):
+        raise ValueError(
+            f"This {type(model).__name__} (or one of its submodules) is already wrapped by "
+            f"fullshard. Wrap the original, unwrapped model exactly once."
+        )
+    plan = resolve_sharding_strategy(sharding_strategy)
+    bucketing = resolve_bucketing_strategy(bucketing_strategy)
+    for name, value in (("prefetch_limit", prefetch_limit),
+                        ("max_pending_reductions", max_pending_reductions)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if max_pending_reductions < 1:
+        raise ValueError("max_pending_reductions must be >= 1")
+    world_size = dist.get_world_size()
+    if broadcast_from is not None and (
+        not isinstance(broadcast_from, int) or not 0 <= broadcast_from < world_size
+    ):
+        raise ValueError(
+            f"broadcast_from must be a global rank in [0, {world_size}), got {broadcast_from!r}"
+        )
+    on_meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if on_meta:
+        if broadcast_from is not None:
+            raise ValueError(
+                f"broadcast_from={broadcast_from} needs real values to send, but the model has "
+                f"tensors on the meta device (e.g. {on_meta[0]!r}). Materialize the model on "
+                f"the source rank first, or drop broadcast_from."
+            )
+        raise ValueError(
+            f"The model has tensors on the meta device (e.g. {on_meta[0]!r}); fsdp() needs "
+            f"materialized parameters. Build the model on a real device."
+        )
+    resolved_device = default_device() if device is None else _as_device(device)
+    mesh = build_mesh(plan, device_mesh)
+    runtime = shard_module(
+        model,
+        mesh=mesh,
+        plan=plan,
+        device=resolved_device,
+        bucketing=bucketing,
+        auto_wrap_policy=auto_wrap_policy,
+        broadcast_from=broadcast_from,
+        prefetch_limit=prefetch_limit,
+        max_pending_reductions=max_pending_reductions,
+    )
+    runtime.move_state_dict_to_cpu = True if move_state_dict_to_cpu is None else bool(
+        move_state_dict_to_cpu
+    )
+    return model
+
+
+def _as_device(device: torch.device | str | int) -> torch.device:
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"Invalid device {device!r}: {e}") from None

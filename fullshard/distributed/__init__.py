@@ -1,0 +1,1 @@
+"""torch.distributed plumbing: counted collectives and the (replicate, shard) mesh."""

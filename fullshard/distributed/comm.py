@@ -1,0 +1,236 @@
+"""The only module that calls torch.distributed collectives; it counts every call and byte.
+
+Every collective fullshard runs goes through a function here, so `comm_stats()` is the whole
+truth about what was sent. Counters are kept per *kind* -- the collective the algorithm asks
+for (`all_gather`, `reduce_scatter`, `all_reduce`, `broadcast`, `scatter`) -- with:
+
+- `calls`: how many collectives of that kind were issued;
+- `bytes`: the logical payload (the full gathered output of an all-gather, the full input of a
+  reduce-scatter, the tensor of an all-reduce or broadcast, everything a scatter hands out);
+- `wire_bytes`: what this rank sends for it under a ring algorithm with the implementation we
+  actually used. On gloo a reduce-scatter is carried out as an all-reduce of the same buffer
+  followed by taking our chunk: gloo's own reduce-scatter is implemented exactly that way but
+  slower (see shared/research/peers_perf.md), so it honestly costs an all-reduce's wire bytes.
+
+A group of size 1 communicates nothing: those calls become local copies and are not counted.
+
+Asynchronous calls return a `CommHandle`; its `wait()` blocks until the data is in place (for
+the gloo reduce-scatter that includes copying our chunk out). Until `wait()` returns, the
+caller must keep the input and output tensors alive and untouched -- the handle holds
+references to them, which is what keeps NCCL's buffers valid without `record_stream`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "scatter")
+
+# torch 2.13 renamed the tensor collectives; the old names still exist but warn.
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group together with the facts about it that the hot path needs."""
+
+    pg: Any
+    """The `ProcessGroup`, or None for the default (world) group."""
+    size: int
+    rank: int
+    """This process's rank inside the group."""
+    ranks: tuple[int, ...]
+    """Global ranks of the members, in group-rank order."""
+    backend: str
+
+    @classmethod
+    def from_process_group(cls, pg: Any = None) -> Group:
+        ranks = tuple(dist.get_process_group_ranks(pg or dist.group.WORLD))
+        return cls(
+            pg=pg,
+            size=dist.get_world_size(pg),
+            rank=dist.get_rank(pg),
+            ranks=ranks,
+            backend=str(dist.get_backend(pg)).lower(),
+        )
+
+
+class _Counters:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.calls = dict.fromkeys(KINDS, 0)
+            self.bytes = dict.fromkeys(KINDS, 0)
+            self.wire_bytes = dict.fromkeys(KINDS, 0)
+
+    def add(self, kind: str, nbytes: int, wire: float) -> None:
+        with self._lock:
+            self.calls[kind] += 1
+            self.bytes[kind] += nbytes
+            self.wire_bytes[kind] += int(wire)
+
+
+_COUNTERS = _Counters()
+
+
+def comm_stats() -> dict[str, dict[str, int]]:
+    """Collectives issued by this process since the last reset, by kind.
+
+    Returns `{kind: {"calls": int, "bytes": int, "wire_bytes": int}}` for every kind in
+    `KINDS` (see the module docstring for what the numbers mean).
+    """
+    c = _COUNTERS
+    return {
+        k: {"calls": c.calls[k], "bytes": c.bytes[k], "wire_bytes": c.wire_bytes[k]} for k in KINDS
+    }
+
+
+def reset_comm_stats() -> None:
+    """Set every collective counter back to zero."""
+    _COUNTERS.reset()
+
+
+class CommHandle:
+    """A collective in flight. `wait()` is idempotent."""
+
+    __slots__ = ("_work", "_on_done", "_refs", "done")
+
+    def __init__(
+        self, work: Any = None, on_done: Callable[[], None] | None = None, refs: tuple = ()
+    ) -> None:
+        self._work = work
+        self._on_done = on_done
+        self._refs = refs  # keeps input/output alive until the collective is complete
+        self.done = work is None and on_done is None
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        if self._work is not None:
+            self._work.wait()
+        if self._on_done is not None:
+            self._on_done()
+        self._work = self._on_done = None
+        self._refs = ()
+        self.done = True
+
+
+_DONE = CommHandle()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_gather(
+    output: torch.Tensor, input: torch.Tensor, group: Group, *, async_op: bool = False
+) -> CommHandle:
+    """Gather every rank's `input` into `output` (rank-major, `group.size * input.numel()`)."""
+    if group.size == 1:
+        output.copy_(input.reshape(output.shape))
+        return _DONE
+    n = _nbytes(output)
+    _COUNTERS.add("all_gather", n, n * (group.size - 1) / group.size)
+    work = _all_gather_into(output, input, group=group.pg, async_op=async_op)
+    return CommHandle(work, refs=(output, input)) if async_op else _DONE
+
+
+def reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, group: Group, *, async_op: bool = False
+) -> CommHandle:
+    """Sum `input` (rank-major, `group.size` equal chunks) over the group; this rank's chunk of
+    the sum lands in `output`. `input` is used as scratch space and is clobbered."""
+    if group.size == 1:
+        output.copy_(input.reshape(output.shape))
+        return _DONE
+    n = _nbytes(input)
+    ring = n * (group.size - 1) / group.size
+    if group.backend == "gloo":
+        # gloo's reduce-scatter is an all-reduce plus a chunk internally, and slower than
+        # calling all-reduce ourselves on the same buffer.
+        _COUNTERS.add("reduce_scatter", n, 2 * ring)
+        work = dist.all_reduce(input, group=group.pg, async_op=async_op)
+        mine = input.view(group.size, -1)[group.rank]
+
+        def take_chunk() -> None:
+            output.view(-1).copy_(mine)
+
+        if not async_op:
+            take_chunk()
+            return _DONE
+        return CommHandle(work, on_done=take_chunk, refs=(output, input))
+    _COUNTERS.add("reduce_scatter", n, ring)
+    work = _reduce_scatter_into(output, input, group=group.pg, async_op=async_op)
+    return CommHandle(work, refs=(output, input)) if async_op else _DONE
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    group: Group,
+    *,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    async_op: bool = False,
+) -> CommHandle:
+    """Reduce `tensor` in place over the group."""
+    if group.size == 1:
+        return _DONE
+    n = _nbytes(tensor)
+    _COUNTERS.add("all_reduce", n, 2 * n * (group.size - 1) / group.size)
+    work = dist.all_reduce(tensor, op=op, group=group.pg, async_op=async_op)
+    return CommHandle(work, refs=(tensor,)) if async_op else _DONE
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Group) -> None:
+    """Broadcast `tensor` in place from global rank `src` (a member of `group`)."""
+    if group.size == 1:
+        return
+    n = _nbytes(tensor)
+    _COUNTERS.add("broadcast", n, n)
+    dist.broadcast(tensor, src=src, group=group.pg)
+
+
+def scatter(
+    output: torch.Tensor, chunks: list[torch.Tensor] | None, src: int, group: Group
+) -> None:
+    """Global rank `src` sends `chunks[i]` to the group's rank `i`; others pass `chunks=None`."""
+    if group.size == 1:
+        output.copy_(chunks[0])  # type: ignore[index]
+        return
+    n = _nbytes(output) * group.size
+    _COUNTERS.add("scatter", n, n * (group.size - 1) / group.size)
+    dist.scatter(output, chunks if dist.get_rank() == src else None, src=src, group=group.pg)
+
+
+def broadcast_object(obj: Any, src: int, group: Group) -> Any:
+    """Broadcast a picklable object from global rank `src`; returns it on every rank."""
+    if group.size == 1:
+        return obj
+    box = [obj]
+    _COUNTERS.add("broadcast", 0, 0)
+    dist.broadcast_object_list(box, src=src, group=group.pg)
+    return box[0]
+
+
+def all_gather_object(obj: Any, group: Group) -> list[Any]:
+    """Every rank's picklable `obj`, in group-rank order."""
+    if group.size == 1:
+        return [obj]
+    out: list[Any] = [None] * group.size
+    _COUNTERS.add("all_gather", 0, 0)
+    dist.all_gather_object(out, obj, group=group.pg)
+    return out
+
+
+def barrier(group: Group) -> None:
+    if group.size > 1:
+        dist.barrier(group=group.pg)

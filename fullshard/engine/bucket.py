@@ -1,0 +1,235 @@
+"""A bucket: the parameters one collective moves, and their flat buffers.
+
+Memory layout (S = shard-axis size, L = sum of the params' padded shard sizes):
+
+    shard_flat   (L,)     this rank's padded shards, param after param. The user-visible
+                          parameters are views of it, so it is also the all-gather input:
+                          gathering needs no copy-in.
+    gather out   (S*L,)   the all-gather output, *rank-major*: [rank0: p1 p2 | rank1: p1 p2].
+    unsharded    (S*L,)   *parameter-major*: each parameter's S*c padded rows contiguous, so the
+                          tensors handed to modules are plain views of one buffer we track
+                          (see the ZeRO-3 note in hooks.py). With one parameter per bucket the
+                          two layouts coincide and the gather output is used as is; with S == 1
+                          nothing is gathered and the shards themselves are the unsharded data.
+    reduce input (S*L,)   rank-major again, built from the unsharded gradients with zero padding
+                          (`torch._chunk_cat`), reduced over the shard axis into
+    reduce output (L,)    this rank's summed padded gradient shards, all-reduced over the
+                          replicate axis, divided by the data-parallel size; the parameters'
+                          `.grad` are views of it (or are accumulated from it).
+
+Every buffer above except `shard_flat` and the reduce output is counted in `memory.TRACKER`
+for exactly as long as the bucket references it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from fullshard.distributed import comm
+from fullshard.distributed.comm import CommHandle
+from fullshard.distributed.mesh import ShardMesh
+from fullshard.engine.memory import TRACKER
+from fullshard.engine.sharded_param import ShardedParam
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Bucket:
+    def __init__(
+        self,
+        params: Sequence[ShardedParam],
+        mesh: ShardMesh,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.params = list(params)
+        self.mesh = mesh
+        self.dtype = dtype
+        self.device = device
+        self.requires_grad = self.params[0].requires_grad
+        offset = 0
+        for p in self.params:
+            p.offset = offset
+            offset += p.layout.padded_shard_numel
+        self.numel = offset
+        self.shard_flat = torch.zeros(offset, dtype=dtype, device=device)
+        self._gather_out: torch.Tensor | None = None
+        self._gather_handle: CommHandle | None = None
+        self.unsharded: torch.Tensor | None = None
+        self.accumulated_grad: torch.Tensor | None = None  # no_sync, rank-major
+
+    # -- layout -----------------------------------------------------------------------------
+    def padded_shard(self, p: ShardedParam) -> torch.Tensor:
+        n = p.layout.padded_shard_numel
+        return self.shard_flat[p.offset : p.offset + n].view(p.layout.padded_shard_shape)
+
+    @property
+    def shard_size(self) -> int:
+        return self.mesh.shard.size
+
+    # -- gather -----------------------------------------------------------------------------
+    @property
+    def is_gathered(self) -> bool:
+        return self.unsharded is not None
+
+    @property
+    def is_gathering(self) -> bool:
+        return self._gather_handle is not None
+
+    def start_gather(self, *, async_op: bool) -> None:
+        if self.unsharded is not None or self._gather_handle is not None:
+            return
+        if self.shard_size == 1:
+            self.unsharded = self.shard_flat
+            return
+        out = torch.empty(self.numel * self.shard_size, dtype=self.dtype, device=self.device)
+        TRACKER.add_param(_nbytes(out))
+        self._gather_out = out
+        self._gather_handle = comm.all_gather(
+            out, self.shard_flat, self.mesh.shard, async_op=async_op
+        )
+
+    def finish_gather(self) -> torch.Tensor:
+        if self.unsharded is not None:
+            return self.unsharded
+        if self._gather_handle is None:
+            self.start_gather(async_op=False)
+            if self.unsharded is not None:
+                return self.unsharded
+        assert self._gather_handle is not None and self._gather_out is not None
+        self._gather_handle.wait()
+        out, self._gather_out, self._gather_handle = self._gather_out, None, None
+        if len(self.params) == 1:
+            self.unsharded = out
+            return out
+        s = self.shard_size
+        param_major = torch.empty_like(out)
+        TRACKER.add_param(_nbytes(param_major))
+        torch.split_with_sizes_copy(
+            out.view(s, self.numel),
+            [p.layout.padded_shard_numel for p in self.params],
+            dim=1,
+            out=[self._param_major_slice(param_major, p).view(s, -1) for p in self.params],
+        )
+        TRACKER.add_param(-_nbytes(out))
+        del out
+        self.unsharded = param_major
+        return param_major
+
+    def _param_major_slice(self, buf: torch.Tensor, p: ShardedParam) -> torch.Tensor:
+        s = self.shard_size
+        return buf[s * p.offset : s * (p.offset + p.layout.padded_shard_numel)]
+
+    def unsharded_views(self) -> list[torch.Tensor]:
+        """The original-shape tensors of this bucket's parameters: views of `unsharded`."""
+        buf = self.unsharded
+        assert buf is not None, "bucket is not gathered"
+        views = []
+        s = self.shard_size
+        for p in self.params:
+            start = s * p.offset
+            views.append(buf[start : start + p.layout.numel].view(p.layout.shape))
+        return views
+
+    def release(self) -> None:
+        """Drop the unsharded buffer (waiting for a gather still in flight first)."""
+        if self._gather_handle is not None:
+            self._gather_handle.wait()
+            self._gather_handle = None
+        if self._gather_out is not None:
+            TRACKER.add_param(-_nbytes(self._gather_out))
+            self._gather_out = None
+        if self.unsharded is not None and self.unsharded is not self.shard_flat:
+            TRACKER.add_param(-_nbytes(self.unsharded))
+        self.unsharded = None
+
+    # -- reduce -----------------------------------------------------------------------------
+    def _rank_major_grads(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Pack unsharded gradients rank-major with zero padding: (S * L,)."""
+        s = self.shard_size
+        out = torch.empty(s * self.numel, dtype=self.dtype, device=self.device)
+        TRACKER.add_grad(_nbytes(out))
+        rows = [g.reshape(p.layout.dim0, *p.layout.rest) for g, p in zip(grads, self.params)]
+        if s == 1:
+            torch.cat([r.reshape(-1) for r in rows], out=out)
+        else:
+            torch._chunk_cat(rows, dim=0, num_chunks=s, out=out.view(s, self.numel))
+        return out
+
+    def accumulate_grads(self, grads: Sequence[torch.Tensor]) -> None:
+        """no_sync: add this backward's unsharded gradients to the local accumulator."""
+        packed = self._rank_major_grads(grads)
+        if self.accumulated_grad is None:
+            self.accumulated_grad = packed
+        else:
+            self.accumulated_grad.add_(packed)
+            TRACKER.add_grad(-_nbytes(packed))
+
+    def start_reduce(self, grads: Sequence[torch.Tensor]) -> PendingReduction:
+        """Issue the reduction of these unsharded gradients (plus any no_sync accumulation)."""
+        packed = self._rank_major_grads(grads)
+        if self.accumulated_grad is not None:
+            packed.add_(self.accumulated_grad)
+            TRACKER.add_grad(-_nbytes(self.accumulated_grad))
+            self.accumulated_grad = None
+        return PendingReduction(self, packed)
+
+    def drop_accumulated_grad(self) -> None:
+        if self.accumulated_grad is not None:
+            TRACKER.add_grad(-_nbytes(self.accumulated_grad))
+            self.accumulated_grad = None
+
+
+class PendingReduction:
+    """One bucket's gradient reduction in flight: reduce-scatter on the shard axis, then
+    all-reduce on the replicate axis, then average and hand to `.grad`."""
+
+    def __init__(self, bucket: Bucket, packed: torch.Tensor) -> None:
+        self.bucket = bucket
+        mesh = bucket.mesh
+        self._packed: torch.Tensor | None = packed
+        if mesh.shard.size == 1:
+            self.output = packed  # already this rank's (only) chunk
+            self._handle = comm.all_reduce(packed, mesh.replicate, async_op=True)
+            self._replicate_pending = False
+        else:
+            self.output = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+            self._handle = comm.reduce_scatter(self.output, packed, mesh.shard, async_op=True)
+            self._replicate_pending = mesh.replicate.size > 1
+
+    def advance(self) -> bool:
+        """Wait for the current stage; start the next. True once the result is final."""
+        self._handle.wait()
+        if self._packed is not None:
+            # The reduce input is no longer needed (with S == 1 it lives on as the output,
+            # which becomes `.grad` storage: sharded-sized, so no longer counted either).
+            TRACKER.add_grad(-_nbytes(self._packed))
+            self._packed = None
+        if self._replicate_pending:
+            self._replicate_pending = False
+            self._handle = comm.all_reduce(self.output, self.bucket.mesh.replicate, async_op=True)
+            return False
+        return True
+
+    def finish(self) -> None:
+        """Wait until done, average over the data-parallel ranks and write the `.grad`s."""
+        while not self.advance():
+            pass
+        out = self.output
+        world = self.bucket.mesh.data_parallel_size
+        if world > 1:
+            out.div_(world)
+        with torch.no_grad():
+            for p in self.bucket.params:
+                n = p.layout.local_rows * p.layout.row_numel
+                grad = out[p.offset : p.offset + n].view(p.layout.local_shape)
+                param = p.param
+                if param.grad is None:
+                    param.grad = grad
+                else:
+                    param.grad.add_(grad)

@@ -1,0 +1,117 @@
+"""Full (unsharded) state dicts of a wrapped model, gathered or loaded one parameter at a time.
+
+`model.state_dict()` of a wrapped model needs no communication: it holds the local shards
+under the original names. `full_state_dict` gathers each parameter over the shard axis in
+turn (moving it to CPU as it arrives when asked), so at most one full parameter is in flight
+besides what the caller keeps -- with `rank0_only` the other ranks keep nothing.
+`load_full_state_dict` does the reverse without communication: every rank copies its own
+rows out of the full tensors (which may be memory-mapped, so only those rows are read).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from fullshard.distributed import comm
+from fullshard.engine.module import runtime_of
+from fullshard.engine.sharded_param import ShardedParam
+
+
+def _params_by_id(model: nn.Module) -> dict[int, ShardedParam]:
+    runtime = runtime_of(model)
+    return {id(p.param): p for u in runtime.units for p in u.params}
+
+
+@torch.no_grad()
+def full_state_dict(
+    model: nn.Module, *, cpu_offload: bool | None = None, rank0_only: bool = False
+) -> dict[str, torch.Tensor]:
+    """The model's state dict with unsharded parameters under their original names and shapes.
+
+    Collective: every rank must call it. `cpu_offload` (default: the model's
+    `move_state_dict_to_cpu`) moves each tensor to CPU as soon as it is gathered;
+    `rank0_only` returns an empty dict on every rank but global rank 0.
+    """
+    runtime = runtime_of(model)
+    if cpu_offload is None:
+        cpu_offload = runtime.move_state_dict_to_cpu
+    by_id = _params_by_id(model)
+    keep = not rank0_only or runtime.mesh.world.rank == 0
+    out: dict[str, torch.Tensor] = {}
+    gathered: dict[int, torch.Tensor] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        sp = by_id.get(id(value))
+        if sp is None:
+            tensor = value.detach() if isinstance(value, torch.Tensor) else value
+        elif id(value) in gathered:  # a tied parameter under a second name
+            tensor = gathered[id(value)]
+        else:
+            tensor = _gather_param(sp, runtime.mesh.shard)
+            if cpu_offload:
+                tensor = tensor.cpu()
+            gathered[id(value)] = tensor
+        if isinstance(tensor, torch.Tensor) and cpu_offload:
+            tensor = tensor.cpu()
+        if keep:
+            out[key] = tensor
+    return out
+
+
+def _gather_param(sp: ShardedParam, group: comm.Group) -> torch.Tensor:
+    layout = sp.layout
+    shard = sp.param.detach()
+    padded = shard.new_zeros(layout.padded_shard_shape)
+    padded[: layout.local_rows].copy_(shard)
+    full = shard.new_empty((layout.padded_numel,))
+    comm.all_gather(full, padded.reshape(-1), group)
+    return full[: layout.numel].view(layout.shape).clone()
+
+
+@torch.no_grad()
+def load_full_state_dict(
+    model: nn.Module, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True
+) -> tuple[list[str], list[str]]:
+    """Load an unsharded state dict into a wrapped model: each rank copies its own rows.
+
+    Returns `(missing_keys, unexpected_keys)`; with `strict=True` either being non-empty is a
+    `ValueError` naming them. A shape mismatch is always a `ValueError` naming the key.
+    """
+    runtime = runtime_of(model)
+    runtime.release_all()
+    by_id = _params_by_id(model)
+    own = model.state_dict(keep_vars=True)
+    missing = [k for k in own if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in own]
+    if strict and (missing or unexpected):
+        raise ValueError(
+            f"load_full_state_dict: the state dict does not match the model. Missing keys: "
+            f"{missing or 'none'}; unexpected keys: {unexpected or 'none'}. Pass strict=False "
+            f"to load the matching keys only."
+        )
+    for key, target in own.items():
+        if key not in state_dict:
+            continue
+        value = state_dict[key]
+        sp = by_id.get(id(target))
+        if sp is None:
+            if isinstance(target, torch.Tensor):
+                if tuple(value.shape) != tuple(target.shape):
+                    raise ValueError(
+                        f"load_full_state_dict: {key!r} has shape {tuple(value.shape)} in the "
+                        f"state dict but {tuple(target.shape)} in the model."
+                    )
+                target.copy_(value)
+            continue
+        layout = sp.layout
+        if tuple(value.shape) != tuple(layout.shape):
+            raise ValueError(
+                f"load_full_state_dict: {key!r} has shape {tuple(value.shape)} in the state "
+                f"dict but the model's parameter is {tuple(layout.shape)} (unsharded)."
+            )
+        start, stop = layout.owned
+        rows = value.reshape(layout.dim0, *layout.rest)[start:stop]
+        sp.param.copy_(rows)
+    return missing, unexpected

@@ -1,0 +1,127 @@
+"""Wrap policies: which modules become units, and which unit owns each parameter.
+
+A policy is one of
+- None: the root is the only unit;
+- a set (or list/tuple) of module classes: every instance becomes a unit;
+- torch's `ModuleWrapPolicy` (its module classes are used);
+- a callable `policy(module, recurse, nonwrapped_numel) -> bool` with torch FSDP1's meaning:
+  called with `recurse=True` to ask whether to look inside `module`, and with `recurse=False`
+  (bottom-up, `nonwrapped_numel` = parameters in its subtree not yet claimed by a unit below)
+  to ask whether `module` becomes a unit. `size_based_auto_wrap_policy` works as is.
+
+The root is always a unit. A parameter belongs to the innermost unit that contains every
+module holding it: for a weight tied between two units, their innermost common ancestor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from torch import nn
+
+WrapPolicy = Callable[[nn.Module, bool, int], bool]
+
+
+def normalize_policy(policy: object) -> WrapPolicy | None:
+    """Turn any accepted policy spelling into a callable (or None for root only)."""
+    if policy is None:
+        return None
+    classes = getattr(policy, "_module_classes", None)  # torch's ModuleWrapPolicy
+    if classes is not None:
+        policy = set(classes)
+    if isinstance(policy, set | frozenset | list | tuple):
+        classes = tuple(policy)
+        bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
+        if bad:
+            raise TypeError(
+                f"A wrap policy given as a collection must hold nn.Module subclasses; got {bad!r}"
+            )
+
+        def by_class(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+            return recurse or isinstance(module, classes)
+
+        return by_class
+    if callable(policy):
+        return policy  # type: ignore[return-value]
+    raise TypeError(
+        f"auto_wrap_policy must be None, a set of nn.Module classes, a ModuleWrapPolicy or a "
+        f"callable (module, recurse, nonwrapped_numel) -> bool; got {type(policy).__name__}"
+    )
+
+
+def select_units(root: nn.Module, policy: object) -> list[nn.Module]:
+    """The unit modules, root first, then in `named_modules()` order."""
+    fn = normalize_policy(policy)
+    chosen: set[int] = {id(root)}
+    if fn is not None:
+        seen: set[int] = set()
+
+        def visit(module: nn.Module, is_root: bool) -> int:
+            """Returns the parameter count claimed by units in this subtree (torch's rule)."""
+            numel = sum(p.numel() for p in module.parameters() if id(p) not in seen)
+            if not fn(module, True, numel):
+                return 0
+            wrapped = sum(visit(child, False) for child in module.children())
+            if not is_root and fn(module, False, numel - wrapped):
+                chosen.add(id(module))
+                seen.update(id(p) for p in module.parameters())
+                return numel
+            return wrapped
+
+        visit(root, True)
+    return [m for m in root.modules() if id(m) in chosen]
+
+
+@dataclass
+class ParamOwnership:
+    """Each parameter (by first name) with the modules that hold it and its owning unit."""
+
+    name: str
+    param: nn.Parameter
+    refs: list[tuple[nn.Module, str]]
+    unit: nn.Module
+
+
+def assign_params(root: nn.Module, units: Iterable[nn.Module]) -> list[ParamOwnership]:
+    """Find every parameter, every `(module, attribute)` holding it, and its owning unit, in
+    `named_parameters()` order."""
+    unit_ids = {id(u) for u in units}
+    unit_parent: dict[int, nn.Module | None] = {id(root): None}
+    innermost: dict[int, nn.Module] = {}
+
+    def walk(module: nn.Module, current: nn.Module) -> None:
+        innermost[id(module)] = current
+        for child in module.children():
+            if id(child) in innermost:
+                continue  # a module reused in two places: its first position counts
+            if id(child) in unit_ids:
+                unit_parent[id(child)] = current
+                walk(child, child)
+            else:
+                walk(child, current)
+
+    walk(root, root)
+
+    def ancestors(u: nn.Module) -> list[nn.Module]:
+        chain = [u]
+        while (parent := unit_parent[id(chain[-1])]) is not None:
+            chain.append(parent)
+        return chain
+
+    found: dict[int, ParamOwnership] = {}
+    for mod_name, module in root.named_modules():
+        for attr, p in module._parameters.items():
+            if p is None:
+                continue
+            unit = innermost[id(module)]
+            if id(p) not in found:
+                name = f"{mod_name}.{attr}" if mod_name else attr
+                found[id(p)] = ParamOwnership(name, p, [(module, attr)], unit)
+                continue
+            entry = found[id(p)]
+            entry.refs.append((module, attr))
+            chain = ancestors(entry.unit)
+            other = set(map(id, ancestors(unit)))
+            entry.unit = next(u for u in chain if id(u) in other)
+    return list(found.values())
