@@ -1,0 +1,105 @@
+"""The multi-process harness itself: results, collectives, failures, timeouts, dead ranks."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fullshard.testing import DistributedGroup, RankFailure, run_distributed
+
+
+@pytest.fixture(scope="module")
+def group2():
+    with DistributedGroup(2, grace=2.0) as g:
+        yield g
+
+
+# Functions run on the ranks live at module top level so they pickle by name.
+def _whoami(tag: str, *, scale: int = 1) -> tuple[str, int, int, str, int]:
+    return (
+        tag,
+        dist.get_rank() * scale,
+        dist.get_world_size(),
+        os.environ["LOCAL_RANK"],
+        torch.get_num_threads(),
+    )
+
+
+def _all_reduce_ranks() -> torch.Tensor:
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return t
+
+
+def _raise_on_rank1() -> int:
+    if dist.get_rank() == 1:
+        raise ValueError("boom from rank one")
+    # Rank 0 blocks in a collective the failed rank never joins: the grace period ends it.
+    dist.barrier()
+    return 0
+
+
+def _sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def _exit_on_rank0() -> int:
+    if dist.get_rank() == 0:
+        os._exit(3)
+    return dist.get_rank()
+
+
+def test_results_in_rank_order(group2: DistributedGroup) -> None:
+    assert group2.run(_whoami, "x", scale=10) == [("x", 0, 2, "0", 1), ("x", 10, 2, "1", 1)]
+
+
+def test_collective_across_ranks(group2: DistributedGroup) -> None:
+    out = group2.run(_all_reduce_ranks)
+    assert [t.tolist() for t in out] == [[3.0], [3.0]]
+
+
+def test_rank_exception_then_respawn(group2: DistributedGroup) -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        group2.run(_raise_on_rank1, timeout=30)
+    assert time.monotonic() - start < 15
+    msg = str(info.value)
+    assert "rank(s) 1" in msg and 1 in info.value.failures
+    assert "ValueError: boom from rank one" in msg and "Traceback" in msg
+    assert "_raise_on_rank1" in msg  # the remote frame is in the text
+    assert not group2.alive
+    # The same group object transparently respawns for the next call.
+    assert [t.item() for t in group2.run(_all_reduce_ranks)] == [3.0, 3.0]
+
+
+def test_timeout_is_quick(group2: DistributedGroup) -> None:
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"_sleep.*rank\(s\) 0, 1"):
+        group2.run(_sleep, 60, timeout=1.0)
+    assert time.monotonic() - start < 5
+    assert not group2.alive
+
+
+def test_dead_rank_is_reported(group2: DistributedGroup) -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=r"exit code 3") as info:
+        group2.run(_exit_on_rank0, timeout=30)
+    assert 0 in info.value.failures
+    assert time.monotonic() - start < 10
+
+
+def test_unpicklable_fn_leaves_group_intact(group2: DistributedGroup) -> None:
+    group2.run(_whoami, "warm")
+    with pytest.raises((pickle.PicklingError, AttributeError)):
+        group2.run(lambda: 1)
+    assert group2.alive
+    assert group2.run(_whoami, "y")[1][0] == "y"
+
+
+def test_run_distributed_one_shot() -> None:
+    assert [t.item() for t in run_distributed(_all_reduce_ranks, 2)] == [3.0, 3.0]
