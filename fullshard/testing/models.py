@@ -70,6 +70,8 @@ class TinyGPT(nn.Module):
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.tok.weight  # tied
+        for emb in (self.tok, self.pos):
+            nn.init.normal_(emb.weight, std=0.02)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
