@@ -10,6 +10,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import torch
+
 
 class FSDPType(enum.Enum):
     """The functional door's strategy names (as in thunder's `fsdp`)."""
@@ -107,3 +109,85 @@ def resolve_bucketing_strategy(bucketing: object) -> FSDPBucketingStrategy:
             return FSDPBucketingStrategy[key]
     names = ", ".join(FSDPBucketingStrategy.__members__)
     raise ValueError(f"Unknown bucketing strategy {bucketing!r}. Valid strategies: {names}.")
+
+
+def _check_dtype(name: str, value: object) -> None:
+    if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+        raise TypeError(
+            f"MixedPrecision.{name} must be a floating-point torch.dtype or None, got {value!r}"
+        )
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Dtypes for computation and communication; the shards (the optimizer's master weights)
+    keep their own dtype.
+
+    - `param_dtype`: shards are cast to it before the all-gather, so modules compute in it and
+      the gathered bytes shrink accordingly;
+    - `reduce_dtype`: gradients are reduced in it (default: `param_dtype`) and handed to the
+      optimizer in the shards' dtype;
+    - `buffer_dtype`: buffers are cast to it;
+    - `cast_forward_inputs`: floating-point inputs of each unit are cast to `param_dtype`.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+            _check_dtype(name, getattr(self, name))
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise TypeError(
+                f"MixedPrecision.cast_forward_inputs must be a bool, got "
+                f"{self.cast_forward_inputs!r}"
+            )
+
+    @classmethod
+    def coerce(cls, value: object) -> MixedPrecision | None:
+        """Accept ours, torch's `torch.distributed.fsdp.MixedPrecision` (or FSDP2's
+        `MixedPrecisionPolicy`), or None."""
+        if value is None or isinstance(value, MixedPrecision):
+            return value
+        if hasattr(value, "param_dtype") and hasattr(value, "reduce_dtype"):
+            return cls(
+                param_dtype=value.param_dtype,
+                reduce_dtype=value.reduce_dtype,
+                buffer_dtype=getattr(value, "buffer_dtype", None),
+                cast_forward_inputs=bool(getattr(value, "cast_forward_inputs", True)),
+            )
+        raise TypeError(
+            f"mixed_precision must be a fullshard.MixedPrecision, torch's "
+            f"torch.distributed.fsdp.MixedPrecision, or None; got {type(value).__name__}"
+        )
+
+
+@dataclass(frozen=True)
+class CPUOffload:
+    """Keep shards, their gradients and the optimizer state in (pinned) host memory."""
+
+    offload_params: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.offload_params, bool):
+            raise TypeError(
+                f"CPUOffload.offload_params must be a bool, got {self.offload_params!r}"
+            )
+
+    @classmethod
+    def coerce(cls, value: object) -> CPUOffload:
+        """Accept a bool, ours, torch's `CPUOffload`, or None (no offload)."""
+        if value is None:
+            return cls()
+        if isinstance(value, bool):
+            return cls(offload_params=value)
+        if isinstance(value, CPUOffload):
+            return value
+        if hasattr(value, "offload_params"):
+            return cls(offload_params=bool(value.offload_params))
+        raise TypeError(
+            f"cpu_offload must be a bool, fullshard.CPUOffload or torch's CPUOffload; got "
+            f"{type(value).__name__}"
+        )
