@@ -17,12 +17,19 @@ Memory layout (S = shard-axis size, L = sum of the params' padded shard sizes):
                           replicate axis, divided by the data-parallel size; the parameters'
                           `.grad` are views of it (or are accumulated from it).
 
+Dtypes and devices: `shard_flat` holds the master dtype (fp32), in host memory under CPU
+offload. The all-gather sends the shards cast to the compute dtype and moved to the compute
+device (one `.to`, a no-op without mixed precision or offload), so the gathered bytes shrink
+with `param_dtype`. Gradients are packed and reduced in `reduce_dtype` and converted back to
+the master dtype and device on the way into `.grad`.
+
 Every buffer above except `shard_flat` and the reduce output is counted in `memory.TRACKER`
 for exactly as long as the bucket references it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -46,18 +53,29 @@ class Bucket:
         *,
         dtype: torch.dtype,
         device: torch.device,
+        compute_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        offload: bool = False,
     ) -> None:
         self.params = list(params)
         self.mesh = mesh
-        self.dtype = dtype
-        self.device = device
+        self.dtype = dtype  # the shards' (master) dtype, also the gradients handed to .grad
+        self.compute_dtype = compute_dtype or dtype  # gathered parameters
+        self.reduce_dtype = reduce_dtype or self.compute_dtype  # gradient reductions
+        self.device = device  # where gathering, compute and reductions happen
+        self.offload = offload
         self.requires_grad = self.params[0].requires_grad
         offset = 0
         for p in self.params:
             p.offset = offset
             offset += p.layout.padded_shard_numel
         self.numel = offset
-        self.shard_flat = torch.zeros(offset, dtype=dtype, device=device)
+        # With CPU offload the shards (and so .grad and the optimizer state) live in host
+        # memory, pinned when a CUDA device will copy from it asynchronously.
+        host = torch.device("cpu") if offload else device
+        pin = offload and torch.cuda.is_available()
+        self.shard_flat = torch.zeros(offset, dtype=dtype, device=host, pin_memory=pin)
+        self._gather_in: torch.Tensor | None = None
         self._gather_out: torch.Tensor | None = None
         self._gather_handle: CommHandle | None = None
         self.unsharded: torch.Tensor | None = None
@@ -81,18 +99,30 @@ class Bucket:
     def is_gathering(self) -> bool:
         return self._gather_handle is not None
 
+    def _gather_input(self) -> torch.Tensor:
+        """The shards as the all-gather sends them: on the compute device, in compute dtype.
+        Without offload or mixed precision this is `shard_flat` itself (no copy)."""
+        return self.shard_flat.to(self.device, self.compute_dtype, non_blocking=True)
+
     def start_gather(self, *, async_op: bool) -> None:
         if self.unsharded is not None or self._gather_handle is not None:
             return
+        send = self._gather_input()
+        if send is not self.shard_flat:
+            TRACKER.add_param(_nbytes(send))
         if self.shard_size == 1:
-            self.unsharded = self.shard_flat
+            self.unsharded = send
             return
-        out = torch.empty(self.numel * self.shard_size, dtype=self.dtype, device=self.device)
+        n = self.numel * self.shard_size
+        out = torch.empty(n, dtype=self.compute_dtype, device=self.device)
         TRACKER.add_param(_nbytes(out))
-        self._gather_out = out
-        self._gather_handle = comm.all_gather(
-            out, self.shard_flat, self.mesh.shard, async_op=async_op
-        )
+        self._gather_in, self._gather_out = send, out
+        self._gather_handle = comm.all_gather(out, send, self.mesh.shard, async_op=async_op)
+
+    def _drop_gather_input(self) -> None:
+        if self._gather_in is not None and self._gather_in is not self.shard_flat:
+            TRACKER.add_param(-_nbytes(self._gather_in))
+        self._gather_in = None
 
     def finish_gather(self) -> torch.Tensor:
         if self.unsharded is not None:
@@ -103,6 +133,7 @@ class Bucket:
                 return self.unsharded
         assert self._gather_handle is not None and self._gather_out is not None
         self._gather_handle.wait()
+        self._drop_gather_input()
         out, self._gather_out, self._gather_handle = self._gather_out, None, None
         if len(self.params) == 1:
             self.unsharded = out
@@ -141,6 +172,7 @@ class Bucket:
         if self._gather_handle is not None:
             self._gather_handle.wait()
             self._gather_handle = None
+        self._drop_gather_input()
         if self._gather_out is not None:
             TRACKER.add_param(-_nbytes(self._gather_out))
             self._gather_out = None
@@ -152,13 +184,11 @@ class Bucket:
     def _rank_major_grads(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """Pack unsharded gradients rank-major with zero padding: (S * L,)."""
         s = self.shard_size
-        out = torch.empty(s * self.numel, dtype=self.dtype, device=self.device)
+        out = torch.empty(s * self.numel, dtype=self.reduce_dtype, device=self.device)
         TRACKER.add_grad(_nbytes(out))
         rows = [g.reshape(p.layout.dim0, *p.layout.rest) for g, p in zip(grads, self.params)]
-        if s == 1:
-            torch.cat([r.reshape(-1) for r in rows], out=out)
-        else:
-            torch._chunk_cat(rows, dim=0, num_chunks=s, out=out.view(s, self.numel))
+        # Casts to reduce_dtype while packing (the output's dtype wins).
+        torch._chunk_cat(rows, dim=0, num_chunks=s, out=out.view(s, self.numel))
         return out
 
     def accumulate_grads(self, grads: Sequence[torch.Tensor]) -> None:
@@ -187,18 +217,27 @@ class Bucket:
 
 class PendingReduction:
     """One bucket's gradient reduction in flight: reduce-scatter on the shard axis, then
-    all-reduce on the replicate axis, then average and hand to `.grad`."""
+    all-reduce on the replicate axis, then average and hand to `.grad`.
+
+    Averaging: the sum is divided by the data-parallel size after the reduction, on the
+    (1/S-sized) output. fp16 cannot hold large sums, so an fp16 reduction divides by
+    sqrt(N) before and after instead.
+    """
 
     def __init__(self, bucket: Bucket, packed: torch.Tensor) -> None:
         self.bucket = bucket
         mesh = bucket.mesh
+        world = mesh.data_parallel_size
+        self._pre = math.sqrt(world) if packed.dtype == torch.float16 and world > 1 else 1.0
+        if self._pre != 1.0:
+            packed.div_(self._pre)
         self._packed: torch.Tensor | None = packed
         if mesh.shard.size == 1:
             self.output = packed  # already this rank's (only) chunk
             self._handle = comm.all_reduce(packed, mesh.replicate, async_op=True)
             self._replicate_pending = False
         else:
-            self.output = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+            self.output = torch.empty(bucket.numel, dtype=packed.dtype, device=bucket.device)
             self._handle = comm.reduce_scatter(self.output, packed, mesh.shard, async_op=True)
             self._replicate_pending = mesh.replicate.size > 1
 
@@ -217,15 +256,18 @@ class PendingReduction:
         return True
 
     def finish(self) -> None:
-        """Wait until done, average over the data-parallel ranks and write the `.grad`s."""
+        """Wait until done, average over the data-parallel ranks and write the `.grad`s
+        (in the shards' dtype, on the shards' device: host memory under CPU offload)."""
         while not self.advance():
             pass
+        bucket = self.bucket
         out = self.output
-        world = self.bucket.mesh.data_parallel_size
-        if world > 1:
-            out.div_(world)
+        post = bucket.mesh.data_parallel_size / self._pre
+        if post != 1.0:
+            out.div_(post)
+        out = out.to(bucket.shard_flat.device, bucket.dtype)
         with torch.no_grad():
-            for p in self.bucket.params:
+            for p in bucket.params:
                 n = p.layout.local_rows * p.layout.row_numel
                 grad = out[p.offset : p.offset + n].view(p.layout.local_shape)
                 param = p.param

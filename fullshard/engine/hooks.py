@@ -165,7 +165,7 @@ class Runtime:
     # -- ZeRO-3 saved tensors ---------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Any:
         owner = self._storage_owner.get(t.untyped_storage().data_ptr())
-        if owner is None or t.dtype != owner[1].dtype:
+        if owner is None or t.dtype != owner[1].compute_dtype:
             return t
         unit, bucket = owner
         return _SavedParamView(unit, bucket, t.size(), t.stride(), t.storage_offset())
