@@ -191,3 +191,33 @@ class CPUOffload:
             f"cpu_offload must be a bool, fullshard.CPUOffload or torch's CPUOffload; got "
             f"{type(value).__name__}"
         )
+
+
+# -- Lightning precision strings (validated here; the engine applies the dtypes) ----------
+
+PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
+_PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+
+
+def resolve_precision(precision: object) -> str:
+    """Lightning's precision strings (and its short aliases `32`, `16`, `'bf16'`)."""
+    if precision is None:
+        return "32-true"
+    key = str(precision).strip().lower() if isinstance(precision, str | int) else None
+    if isinstance(precision, bool):
+        key = None
+    key = _PRECISION_ALIASES.get(key, key) if key is not None else None
+    if key not in PRECISIONS:
+        raise ValueError(
+            f"precision={precision!r} is not supported. Valid values: {', '.join(PRECISIONS)} "
+            f"(aliases: 32, 16, 'bf16')."
+        )
+    return key
+
+
+def mixed_precision_for(precision: str) -> MixedPrecision | None:
+    """The `MixedPrecision` a precision string stands for (Lightning's table); None for fp32."""
+    if precision == "32-true":
+        return None
+    dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16
+    return MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype)

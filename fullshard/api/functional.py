@@ -11,8 +11,10 @@ import torch.distributed as dist
 from torch import nn
 
 from fullshard.config import (
+    CPUOffload,
     FSDPBucketingStrategy,
     FSDPType,
+    MixedPrecision,
     resolve_bucketing_strategy,
     resolve_sharding_strategy,
 )
@@ -37,6 +39,9 @@ def fsdp(
     bucketing_strategy: FSDPBucketingStrategy | str = FSDPBucketingStrategy.NONE,
     move_state_dict_to_cpu: bool | None = None,
     auto_wrap_policy: object = None,
+    mixed_precision: MixedPrecision | object | None = None,
+    cpu_offload: CPUOffload | bool | object | None = None,
+    activation_checkpointing_policy: object = None,
     device_mesh: object = None,
     prefetch_limit: int = 1,
     max_pending_reductions: int = 2,
@@ -53,6 +58,12 @@ def fsdp(
             (per leaf module) or BLOCK (per unit), or its name.
         move_state_dict_to_cpu: default of `full_state_dict(cpu_offload=...)` (None: True).
         auto_wrap_policy: which modules become units (see `fullshard.engine.wrap`).
+        mixed_precision: `MixedPrecision` (or torch's): gather in `param_dtype`, reduce in
+            `reduce_dtype`; shards, `.grad` and the optimizer stay in the parameters' dtype.
+        cpu_offload: True / `CPUOffload(offload_params=True)`: shards, gradients and optimizer
+            state live in host memory; each unit is copied to `device` to be gathered.
+        activation_checkpointing_policy: modules (same forms as `auto_wrap_policy`) whose
+            activations are recomputed in backward (non-reentrant checkpointing).
         device_mesh: HYBRID_SHARD only: `(replicate, shard)` or a 2-D `DeviceMesh`.
         prefetch_limit: units gathered ahead of the one running (0 disables prefetch).
         max_pending_reductions: gradient reductions left in flight during backward.
@@ -89,17 +100,14 @@ def fsdp(
             f"broadcast_from must be a global rank in [0, {world_size}), got {broadcast_from!r}"
         )
     on_meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
-    if on_meta:
-        if broadcast_from is not None:
-            raise ValueError(
-                f"broadcast_from={broadcast_from} needs real values to send, but the model has "
-                f"tensors on the meta device (e.g. {on_meta[0]!r}). Materialize the model on "
-                f"the source rank first, or drop broadcast_from."
-            )
+    if on_meta and broadcast_from is not None:
         raise ValueError(
-            f"The model has tensors on the meta device (e.g. {on_meta[0]!r}); fsdp() needs "
-            f"materialized parameters. Build the model on a real device."
+            f"broadcast_from={broadcast_from} needs real values to send, but the model has "
+            f"tensors on the meta device (e.g. {on_meta[0]!r}). Materialize the model on "
+            f"the source rank first, or drop broadcast_from."
         )
+    mp = MixedPrecision.coerce(mixed_precision)
+    offload = CPUOffload.coerce(cpu_offload).offload_params
     resolved_device = default_device() if device is None else _as_device(device)
     mesh = build_mesh(plan, device_mesh)
     runtime = shard_module(
@@ -110,6 +118,9 @@ def fsdp(
         bucketing=bucketing,
         auto_wrap_policy=auto_wrap_policy,
         broadcast_from=broadcast_from,
+        mixed_precision=mp,
+        offload=offload,
+        activation_checkpointing_policy=activation_checkpointing_policy,
         prefetch_limit=prefetch_limit,
         max_pending_reductions=max_pending_reductions,
     )

@@ -234,3 +234,37 @@ def all_gather_object(obj: Any, group: Group) -> list[Any]:
 def barrier(group: Group) -> None:
     if group.size > 1:
         dist.barrier(group=group.pg)
+
+
+def broadcast_pickled(
+    obj: Any, src: int, group: Group, *, device: torch.device | None = None
+) -> Any:
+    """Broadcast a picklable object from global rank `src`; returns it on every rank.
+
+    Unlike `broadcast_object` it does not need numpy (torch's `broadcast_object_list` turns
+    the received bytes back through `tensor.numpy()`): a length, then the pickled bytes, are
+    broadcast as tensors on `device` (the current CUDA device for NCCL groups, else CPU).
+    Counted as two broadcasts.
+    """
+    if group.size == 1:
+        return obj
+    import pickle
+
+    if device is None:
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if "nccl" in group.backend
+            else torch.device("cpu")
+        )
+    is_src = dist.get_rank() == src
+    payload = pickle.dumps(obj) if is_src else b""
+    size = torch.tensor([len(payload)], dtype=torch.long, device=device)
+    broadcast(size, src, group)
+    if is_src:
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    else:
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    broadcast(data, src, group)
+    if is_src:
+        return obj
+    return pickle.loads(bytes(data.cpu().tolist()))

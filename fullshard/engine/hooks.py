@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch.autograd import Variable
+from torch.utils._pytree import tree_map
 
 from fullshard.config import ShardingPlan
 from fullshard.distributed.mesh import ShardMesh
@@ -52,6 +53,15 @@ class _SavedParamView(NamedTuple):
     offset: int
 
 
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return tree_map(cast, tree)
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -65,6 +75,7 @@ class Runtime:
         *,
         prefetch_limit: int,
         max_pending_reductions: int,
+        input_dtype: torch.dtype | None = None,
     ) -> None:
         self.units = units
         self.root = units[0]
@@ -74,6 +85,7 @@ class Runtime:
         self.plan = plan
         self.prefetch_limit = prefetch_limit
         self.max_pending_reductions = max_pending_reductions
+        self.input_dtype = input_dtype  # mixed precision: floating inputs of units cast to it
         self.sync_gradients = True
         self.move_state_dict_to_cpu = True  # default of full_state_dict(cpu_offload=None)
         self.pass_id = 0
@@ -106,7 +118,7 @@ class Runtime:
         unit.release()
 
     # -- forward ----------------------------------------------------------------------------
-    def pre_forward(self, unit: Unit, module: torch.nn.Module, args: Any) -> None:
+    def pre_forward(self, unit: Unit, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
         recomputing = _in_backward()
         if unit is self.root and not recomputing:
             self._begin_forward()
@@ -121,6 +133,22 @@ class Runtime:
         if unit is self.root and self._wants_saved_tensor_hooks(with_grad, recomputing):
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_hooks.__enter__()
+        if self.input_dtype is not None:
+            return _cast_floating((args, kwargs), self.input_dtype)
+        return None
+
+    def gather_for_recompute(self, unit: Unit) -> None:
+        """Activation checkpointing: gather and install `unit` for a recomputation that runs
+        outside its hooks (see checkpointing.py)."""
+        if not unit.is_gathered:
+            self._ensure_backward_callback()
+            unit.start_gather(async_op=False)
+            self._wait(unit)
+        # Leaves that require grad, so the recomputed ops save exactly what the original
+        # forward saved (checkpoint checks); the recomputed graph itself is never run backward.
+        for bucket in unit.buckets:
+            for p, view in zip(bucket.params, bucket.unsharded_views()):
+                p.install(view.detach().requires_grad_(bucket.requires_grad))
 
     def post_forward(self, unit: Unit, module: torch.nn.Module, args: Any, output: Any) -> None:
         if unit is self.root and self._saved_hooks is not None:

@@ -1,17 +1,22 @@
 """Converting a model in place: shard every parameter, build units and buckets, add hooks.
 
-Order of work (memory: each parameter is sharded and dropped before the next, so besides the
-user's own model only one bucket's shards -- and, with `broadcast_from`, one bucket's full
-rows on the source rank -- are ever allocated at once):
+Order of work (memory: each unit is sharded before the next is touched, so besides the user's
+own model only one unit's full parameters -- and, with `broadcast_from`, one bucket's full rows
+on the source rank -- are ever allocated at once):
 
 1. choose the units (wrap.py) and the owning unit of every parameter;
-2. per unit, group its parameters into buckets by the bucketing strategy, dtype and
-   `requires_grad` (a bucket's flat buffers need one dtype; frozen parameters are gathered
-   but never reduced, so they never share a bucket with trainable ones);
-3. fill each bucket's flat shard: from the local model, or scattered from `broadcast_from`;
-4. register the local shards as the modules' parameters under their original names; move
-   buffers to the device (and broadcast them from `broadcast_from`);
-5. create the runtime, hook the units, mark the root as wrapped.
+2. per unit, in order (root first):
+   a. meta-device modules of the unit are materialized on the device and initialized with
+      their own `reset_parameters()` (`materialize.py`), so a model built on the meta device
+      never exists in full;
+   b. its parameters are grouped into buckets by the bucketing strategy, dtype and
+      `requires_grad` (a bucket's flat buffers need one dtype; frozen parameters are gathered
+      but never reduced, so they never share a bucket with trainable ones);
+   c. each bucket's flat shard is filled from the local values, or scattered from
+      `broadcast_from`, and the local shards replace the parameters under their names;
+3. buffers move to the device (cast to the buffer dtype, broadcast from `broadcast_from`);
+4. the runtime is created, the units hooked, activation checkpointing applied, the root
+   marked as wrapped.
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from fullshard.config import FSDPBucketingStrategy, ShardingPlan
+from fullshard.config import FSDPBucketingStrategy, MixedPrecision, ShardingPlan
 from fullshard.distributed import comm
 from fullshard.distributed.mesh import ShardMesh
 from fullshard.engine.bucket import Bucket
+from fullshard.engine.checkpointing import apply_activation_checkpointing
 from fullshard.engine.hooks import Runtime
 from fullshard.engine.layout import ShardLayout
+from fullshard.engine.materialize import materialize_unit
 from fullshard.engine.module import mark_wrapped
 from fullshard.engine.sharded_param import ShardedParam
 from fullshard.engine.unit import Unit
@@ -42,6 +49,9 @@ def shard_module(
     bucketing: FSDPBucketingStrategy,
     auto_wrap_policy: object,
     broadcast_from: int | None,
+    mixed_precision: MixedPrecision | None,
+    offload: bool,
+    activation_checkpointing_policy: object,
     prefetch_limit: int,
     max_pending_reductions: int,
 ) -> Runtime:
@@ -55,27 +65,46 @@ def shard_module(
     units: list[Unit] = []
     for module in unit_modules:
         mine = [o for o in owned if o.unit is module]
+        materialize_unit(model, module, set(map(id, unit_modules)), mine, device)
         buckets = []
         for group in _bucket_groups(mine, bucketing):
             params = [_sharded_param(o, mesh) for o in group]
-            bucket = Bucket(params, mesh, dtype=group[0].param.dtype, device=device)
+            dtype = group[0].current.dtype
+            compute, reduce = _precision_dtypes(mixed_precision, dtype)
+            bucket = Bucket(
+                params,
+                mesh,
+                dtype=dtype,
+                device=device,
+                compute_dtype=compute,
+                reduce_dtype=reduce,
+                offload=offload,
+            )
             _fill_bucket(bucket, group, mesh, broadcast_from, shard_rank_of_global)
             for sp in params:
                 sp.attach(bucket.padded_shard(sp))
             buckets.append(bucket)
         units.append(Unit(module, names[id(module)], buckets))
 
-    _move_buffers(model, device, mesh, broadcast_from)
+    buffer_dtype = mixed_precision.buffer_dtype if mixed_precision else None
+    _move_buffers(model, device, buffer_dtype, mesh, broadcast_from)
+    input_dtype = None
+    if mixed_precision is not None and mixed_precision.cast_forward_inputs:
+        input_dtype = mixed_precision.param_dtype
     runtime = Runtime(
         units,
         mesh,
         plan,
         prefetch_limit=prefetch_limit,
         max_pending_reductions=max_pending_reductions,
+        input_dtype=input_dtype,
     )
     for unit in units:
-        unit.module.register_forward_pre_hook(_bind(runtime.pre_forward, unit), prepend=True)
+        unit.module.register_forward_pre_hook(
+            _bind(runtime.pre_forward, unit), prepend=True, with_kwargs=True
+        )
         unit.module.register_forward_hook(_bind(runtime.post_forward, unit), always_call=True)
+    apply_activation_checkpointing(model, activation_checkpointing_policy, runtime)
     mark_wrapped(model, runtime)
     return runtime
 
@@ -87,9 +116,18 @@ def _bind(method, unit):  # type: ignore[no-untyped-def]
     return hook
 
 
+def _precision_dtypes(
+    mp: MixedPrecision | None, dtype: torch.dtype
+) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """(compute, reduce) dtypes of a bucket whose shards are `dtype`; None keeps the default."""
+    if mp is None or not dtype.is_floating_point:
+        return None, None
+    return mp.param_dtype, mp.reduce_dtype
+
+
 def _sharded_param(o: ParamOwnership, mesh: ShardMesh) -> ShardedParam:
-    layout = ShardLayout(o.param.shape, mesh.shard.size, mesh.shard.rank)
-    return ShardedParam(o.name, layout, o.param.requires_grad, o.refs)
+    layout = ShardLayout(o.current.shape, mesh.shard.size, mesh.shard.rank)
+    return ShardedParam(o.name, layout, o.current.requires_grad, o.refs)
 
 
 def _bucket_groups(
@@ -97,7 +135,7 @@ def _bucket_groups(
 ) -> list[list[ParamOwnership]]:
     groups: dict[tuple, list[ParamOwnership]] = {}
     for i, o in enumerate(owned):
-        kind = (o.param.dtype, o.param.requires_grad)
+        kind = (o.current.dtype, o.current.requires_grad)
         if bucketing is FSDPBucketingStrategy.NONE:
             key: tuple = (i,)
         elif bucketing is FSDPBucketingStrategy.LAYER:
@@ -119,17 +157,18 @@ def _fill_bucket(
     if broadcast_from is None:
         for sp, o in zip(bucket.params, group):
             start, stop = sp.layout.owned
-            rows = o.param.detach().reshape(sp.layout.dim0, *sp.layout.rest)
+            rows = o.current.detach().reshape(sp.layout.dim0, *sp.layout.rest)
             bucket.padded_shard(sp)[: stop - start].copy_(rows[start:stop])
         return
     # Scatter: the source packs every shard rank's rows (rank-major, zero padded) and each
     # rank receives only its own shard of the bucket.
+    device = bucket.shard_flat.device
     chunks = None
     if mesh.world.rank == broadcast_from:
         s = mesh.shard.size
-        packed = torch.empty(s, bucket.numel, dtype=bucket.dtype, device=bucket.device)
+        packed = torch.empty(s, bucket.numel, dtype=bucket.dtype, device=device)
         rows = [
-            o.param.detach().to(bucket.device).reshape(sp.layout.dim0, *sp.layout.rest)
+            o.current.detach().to(device).reshape(sp.layout.dim0, *sp.layout.rest)
             for sp, o in zip(bucket.params, group)
         ]
         torch._chunk_cat(rows, dim=0, num_chunks=s, out=packed)
@@ -140,7 +179,11 @@ def _fill_bucket(
 
 @torch.no_grad()
 def _move_buffers(
-    model: nn.Module, device: torch.device, mesh: ShardMesh, broadcast_from: int | None
+    model: nn.Module,
+    device: torch.device,
+    buffer_dtype: torch.dtype | None,
+    mesh: ShardMesh,
+    broadcast_from: int | None,
 ) -> None:
     moved: dict[int, torch.Tensor] = {}
     for module in model.modules():
@@ -148,7 +191,8 @@ def _move_buffers(
             if buf is None:
                 continue
             if id(buf) not in moved:
-                new = buf.to(device)
+                cast = buffer_dtype if buf.is_floating_point() else None
+                new = buf.to(device, dtype=cast)
                 if broadcast_from is not None:
                     new = new.contiguous()
                     comm.broadcast(new, broadcast_from, mesh.world)

@@ -79,8 +79,15 @@ class ParamOwnership:
 
     name: str
     param: nn.Parameter
+    """The parameter object found at wrap time (a meta tensor if the model was on meta)."""
     refs: list[tuple[nn.Module, str]]
     unit: nn.Module
+
+    @property
+    def current(self) -> nn.Parameter:
+        """The parameter the modules hold now (materialization replaces meta ones)."""
+        module, attr = self.refs[0]
+        return module._parameters[attr]  # type: ignore[return-value]
 
 
 def assign_params(root: nn.Module, units: Iterable[nn.Module]) -> list[ParamOwnership]:

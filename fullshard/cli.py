@@ -1,0 +1,113 @@
+"""The `fullshard` command. One subcommand per concern, each added by `_add_<name>(subparsers)`:
+
+    fullshard run [--nproc-per-node N] [--nnodes M --node-rank K --master-addr A
+                  --master-port P] script.py [script args...]
+
+`run` starts a script on many processes through torch's elastic launcher (see
+`fullshard.launch.torchrun`). To add a subcommand, write `_add_<name>` registering its parser
+with `set_defaults(handler=...)`, and call it from `build_parser`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+_RUN_EPILOG = """\
+examples:
+  # 4 processes on this machine
+  fullshard run --nproc-per-node 4 train.py --lr 3e-4
+
+  # 2 machines x 2 processes: run on each machine, with its own --node-rank
+  fullshard run --nproc-per-node 2 --nnodes 2 --node-rank 0 \\
+      --master-addr 10.0.0.1 --master-port 29500 train.py
+  fullshard run --nproc-per-node 2 --nnodes 2 --node-rank 1 \\
+      --master-addr 10.0.0.1 --master-port 29500 train.py
+
+Each process gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT;
+fullshard.Fabric / FSDPStrategy read them (Fabric.launch() then starts nothing more). When any
+process fails, the others are stopped and the command exits non-zero, naming the failed rank.
+"""
+
+
+def _add_run(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "run",
+        help="run a training script on several processes (and machines)",
+        description="Run a training script on several processes through torch's elastic "
+        "launcher (torch.distributed.run).",
+        epilog=_RUN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--nproc-per-node", "--nproc_per_node", "--devices", default="1",
+                   metavar="N", help="processes on this machine: an int, or torchrun's 'auto', "
+                   "'cpu', 'gpu' (default: 1)")
+    p.add_argument("--nnodes", "--num-nodes", type=int, default=1, metavar="M",
+                   help="number of machines (default: 1)")
+    p.add_argument("--node-rank", "--node_rank", type=int, default=0, metavar="K",
+                   help="this machine's index in [0, M) (default: 0)")
+    p.add_argument("--master-addr", "--master_addr", "--main-address", default="127.0.0.1",
+                   metavar="A", help="address of the machine with --node-rank 0 "
+                   "(default: 127.0.0.1)")
+    p.add_argument("--master-port", "--master_port", "--main-port", type=int, default=None,
+                   metavar="P", help="a free port on that machine; required with --nnodes > 1 "
+                   "(default: a free port, single machine only)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                   help="restart the whole group up to R times after a failure (default: 0)")
+    p.add_argument("--monitor-interval", type=float, default=0.1, metavar="S",
+                   help="seconds between checks of the workers' health (default: 0.1)")
+    p.add_argument("--shutdown-timeout", type=int, default=5, metavar="S",
+                   help="seconds a worker gets to exit after SIGTERM before SIGKILL (default: 5)")
+    p.add_argument("-m", "--module", action="store_true",
+                   help="run `script` as a module, like `python -m`")
+    p.add_argument("script", help="the training script (or module with -m)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER,
+                   help="arguments passed on to the script")
+    p.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from fullshard.launch.torchrun import run_with_torchrun, torchrun_argv
+
+    nproc: str | int = args.nproc_per_node
+    if isinstance(nproc, str) and nproc.isdigit():
+        nproc = int(nproc)
+    try:
+        argv = torchrun_argv(
+            args.script,
+            args.script_args,
+            nproc_per_node=nproc,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
+            max_restarts=args.max_restarts,
+            monitor_interval=args.monitor_interval,
+            shutdown_timeout=args.shutdown_timeout,
+            module=args.module,
+        )
+    except ValueError as e:
+        parser.error(str(e))
+    return run_with_torchrun(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fullshard",
+        description="fullshard: fully sharded data parallel training for PyTorch.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers.required = True
+    _add_run(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.handler(args, parser) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""`Fabric.launch()` from a plain `python script.py`: this process becomes local rank 0 and
+starts local ranks 1..N-1 as subprocesses running the same command (as Lightning's
+`_SubprocessScriptLauncher` does). The children find `LOCAL_RANK` in their environment and do
+not launch again.
+
+Rank death (design invariant 6: a dead rank makes the others fail within seconds, not after
+the 30-minute collective timeout):
+
+- rank 0 runs a watchdog thread polling its children; when one exits non-zero (an exception,
+  `os._exit`, a signal such as SIGKILL) it prints which rank failed and how, ends the other
+  children (SIGTERM, then SIGKILL) and exits the whole launch with status 1;
+- when rank 0 itself fails, its exit handler names it (or a child that failed first, whose
+  death is what usually makes rank 0 fail) and ends the children before exiting;
+- every child polls its parent: if rank 0 disappears (even SIGKILLed, when no handler can
+  run), the child says so and exits at once;
+- at a normal end rank 0 waits for its children and exits non-zero if any of them failed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fullshard.distributed.environment import ClusterEnvironment
+
+_PARENT_PID_VAR = "FULLSHARD_LAUNCHER_PID"
+_POLL_S = 0.1
+_TERM_GRACE_S = 2.0
+
+
+def describe_exit(code: int) -> str:
+    """`exited with code 3` / `was killed by signal SIGKILL`."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by signal {name}"
+    return f"exited with code {code}"
+
+
+def _say(msg: str) -> None:
+    try:
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001 - best effort on a dying process
+        pass
+    try:
+        sys.stderr.write(f"fullshard: {msg}\n")
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def install_rank_hooks(global_rank: int, local_rank: int) -> None:
+    """Name this rank when it dies of an uncaught exception; in a child of our launcher, also
+    exit as soon as the launching process (rank 0) is gone. Idempotent."""
+    global _HOOKED_RANK
+    if _HOOKED_RANK is not None:
+        return
+    _HOOKED_RANK = (global_rank, local_rank)
+    previous = sys.excepthook
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        previous(exc_type, exc, tb)
+        if exc_type is not KeyboardInterrupt:
+            _say(
+                f"rank {global_rank} (local rank {local_rank}, pid {os.getpid()}) failed with "
+                f"{exc_type.__name__}: {exc}"
+            )
+
+    sys.excepthook = hook
+    parent = os.environ.get(_PARENT_PID_VAR)
+    if parent and parent.isdigit() and int(parent) != os.getpid():
+        threading.Thread(
+            target=_watch_parent, args=(int(parent), global_rank), daemon=True,
+            name="fullshard-parent-watch",
+        ).start()
+
+
+_HOOKED_RANK: tuple[int, int] | None = None
+
+
+def _watch_parent(parent_pid: int, global_rank: int) -> None:
+    while True:
+        if os.getppid() != parent_pid:
+            _say(
+                f"rank {global_rank} (pid {os.getpid()}): the launching process (local rank 0, "
+                f"pid {parent_pid}) is gone; exiting."
+            )
+            os._exit(1)
+        time.sleep(_POLL_S)
+
+
+class SubprocessScriptLauncher:
+    """Starts the local ranks 1..N-1 of this node by re-running the current command."""
+
+    is_interactive_compatible = False
+
+    def __init__(
+        self, cluster_environment: ClusterEnvironment, *, num_processes: int, num_nodes: int
+    ) -> None:
+        self.cluster_environment = cluster_environment
+        self.num_processes = num_processes
+        self.num_nodes = num_nodes
+        self.children: list[tuple[int, subprocess.Popen]] = []  # (local rank, process)
+        self._lock = threading.Lock()
+        self._ending = False
+        self._rank0_failed: tuple[type[BaseException], BaseException] | None = None
+
+    def launch(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Start the other local ranks (unless something else already did), then run
+        `fn(*args, **kwargs)` in this process."""
+        env = self.cluster_environment
+        if not env.creates_processes_externally and self.num_processes * self.num_nodes > 1:
+            self._start_children()
+        return fn(*args, **kwargs)
+
+    # -- parent side ------------------------------------------------------------------------
+    def _global_rank(self, local_rank: int) -> int:
+        return self.cluster_environment.node_rank() * self.num_processes + local_rank
+
+    def _start_children(self) -> None:
+        env = self.cluster_environment
+        world = self.num_processes * self.num_nodes
+        os.environ.update(
+            MASTER_ADDR=env.main_address,
+            MASTER_PORT=str(env.main_port),
+            NODE_RANK=str(env.node_rank()),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(self.num_processes),
+        )
+        command = _current_command()
+        for local_rank in range(1, self.num_processes):
+            child_env = dict(os.environ)
+            child_env.update(
+                LOCAL_RANK=str(local_rank),
+                RANK=str(self._global_rank(local_rank)),
+                **{_PARENT_PID_VAR: str(os.getpid())},
+            )
+            proc = subprocess.Popen(command, env=child_env)
+            self.children.append((local_rank, proc))
+        os.environ.update(LOCAL_RANK="0", RANK=str(self._global_rank(0)))
+        threading.Thread(target=self._watchdog, daemon=True, name="fullshard-watchdog").start()
+        previous = sys.excepthook
+
+        def note_failure(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+            self._rank0_failed = (exc_type, exc)
+            previous(exc_type, exc, tb)
+
+        sys.excepthook = note_failure
+        atexit.register(self._at_exit)
+
+    def _failed_child(self) -> tuple[int, subprocess.Popen, int] | None:
+        for local_rank, proc in self.children:
+            code = proc.poll()
+            if code is not None and code != 0:
+                return local_rank, proc, code
+        return None
+
+    def _watchdog(self) -> None:
+        while not self._ending:
+            failed = self._failed_child()
+            if failed is not None:
+                local_rank, proc, code = failed
+                self._end(
+                    f"rank {self._global_rank(local_rank)} (local rank {local_rank}, pid "
+                    f"{proc.pid}) {describe_exit(code)}; ending the other ranks."
+                )
+            time.sleep(_POLL_S)
+
+    def _end(self, message: str, status: int = 1) -> None:
+        """Report, end every child, exit this process. Runs once."""
+        with self._lock:
+            if self._ending:
+                return
+            self._ending = True
+        _say(message)
+        self._stop_children()
+        os._exit(status)
+
+    def _stop_children(self) -> None:
+        alive = [p for _, p in self.children if p.poll() is None]
+        for p in alive:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + _TERM_GRACE_S
+        for p in alive:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def _at_exit(self) -> None:
+        if self._ending:
+            return
+        if self._rank0_failed is not None:
+            # Rank 0 often fails *because* a child died (its collective broke): name the child
+            # when one has already failed, after giving its exit a moment to be reaped.
+            deadline = time.monotonic() + 1.0
+            failed = self._failed_child()
+            while failed is None and time.monotonic() < deadline:
+                time.sleep(_POLL_S)
+                failed = self._failed_child()
+            exc_type, exc = self._rank0_failed
+            rank0 = (
+                f"rank {self._global_rank(0)} (local rank 0, pid {os.getpid()}) failed with "
+                f"{exc_type.__name__}: {exc}"
+            )
+            if failed is not None:
+                local_rank, proc, code = failed
+                self._end(
+                    f"rank {self._global_rank(local_rank)} (local rank {local_rank}, pid "
+                    f"{proc.pid}) {describe_exit(code)} first; then {rank0}. Ending the other "
+                    f"ranks."
+                )
+            self._end(f"{rank0}; ending the other ranks.")
+        # A normal end: wait for the children (the watchdog still ends everything on failure).
+        for _, proc in self.children:
+            proc.wait()
+        failed = self._failed_child()
+        if failed is not None:
+            local_rank, proc, code = failed
+            self._end(
+                f"rank {self._global_rank(local_rank)} (local rank {local_rank}, pid "
+                f"{proc.pid}) {describe_exit(code)}."
+            )
+
+
+def _current_command() -> list[str]:
+    """The command that started this process, to start the other ranks with."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name not in ("__main__", None):
+        name = spec.name
+        if name.endswith(".__main__"):
+            name = name[: -len(".__main__")]
+        return [sys.executable, "-m", name, *sys.argv[1:]]
+    script = sys.argv[0] if sys.argv else ""
+    if not script or script == "-c" or not os.path.exists(script):
+        raise RuntimeError(
+            "Fabric.launch() starts the other ranks by re-running this script, but this process "
+            "was not started from a script file (an interactive session or `python -c`). Run a "
+            "script, or launch it with `fullshard run --nproc-per-node N script.py`."
+        )
+    return [sys.executable, os.path.abspath(script), *sys.argv[1:]]

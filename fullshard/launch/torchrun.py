@@ -1,0 +1,81 @@
+"""`fullshard run`: run a script on many processes through torch's elastic launcher.
+
+We do not manage processes ourselves here: the arguments are translated to
+`torch.distributed.run` (torchrun) and its `main` runs in this process. torchelastic starts
+the local workers, sets `RANK` / `LOCAL_RANK` / `WORLD_SIZE` / `LOCAL_WORLD_SIZE` /
+`GROUP_RANK` / `MASTER_ADDR` / `MASTER_PORT`, and when a worker fails it stops the others
+(SIGTERM, then SIGKILL after the shutdown timeout) and prints which rank failed and how.
+We pass `--max-restarts 0` and a short monitor interval so that happens within a fraction of
+a second, and a short shutdown timeout so a stuck worker is killed within seconds.
+
+One node: `--standalone` (a rendezvous on a free local port) unless a master port is given.
+Several nodes: the static rendezvous at `--master-addr:--master-port`, one invocation per node
+with its `--node-rank`.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+
+def _torchrun_options() -> set[str]:
+    from torch.distributed.run import get_args_parser
+
+    return {opt for action in get_args_parser()._actions for opt in action.option_strings}
+
+
+def torchrun_argv(
+    script: str,
+    script_args: Sequence[str] = (),
+    *,
+    nproc_per_node: str | int = 1,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+    max_restarts: int = 0,
+    monitor_interval: float = 0.1,
+    shutdown_timeout: int = 5,
+    module: bool = False,
+) -> list[str]:
+    """The `torch.distributed.run` arguments for these options (validated)."""
+    if nnodes < 1:
+        raise ValueError(f"--nnodes must be >= 1, got {nnodes}")
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"--node-rank must be in [0, {nnodes}), got {node_rank}")
+    if nnodes > 1 and master_port is None:
+        raise ValueError(
+            f"--nnodes {nnodes} needs --master-addr and --master-port: the address and a free "
+            f"port of the node with --node-rank 0, the same on every node."
+        )
+    if isinstance(nproc_per_node, int) and nproc_per_node < 1:
+        raise ValueError(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
+    argv = [f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}",
+            f"--monitor-interval={monitor_interval}"]
+    if "--shutdown-timeout" in _torchrun_options():
+        argv.append(f"--shutdown-timeout={shutdown_timeout}")
+    if nnodes == 1 and master_port is None:
+        argv.append("--standalone")
+    else:
+        argv += [f"--nnodes={nnodes}", f"--node-rank={node_rank}",
+                 f"--master-addr={master_addr}", f"--master-port={master_port}"]
+    if module:
+        argv.append("--module")
+    return [*argv, script, *script_args]
+
+
+def run_with_torchrun(argv: Sequence[str]) -> int:
+    """Run `torch.distributed.run` with `argv` in this process; 0 on success, else 1 (torch
+    has printed which rank failed and how)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    try:
+        torchrun_main(list(argv))
+    except ChildFailedError:
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    sys.stdout.flush()
+    return 0
