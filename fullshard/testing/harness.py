@@ -21,15 +21,13 @@ Typical test module::
         with DistributedGroup(2) as g:
             yield g
 
-    def _sum_ranks():                      # module top level, so it pickles by name
-        t = torch.tensor([float(dist.get_rank())])
-        dist.all_reduce(t)
-        return t
+    def _whoami():                         # module top level, so it pickles by name
+        return dist.get_rank(), dist.get_world_size()
 
-    def test_sum(group2):
-        assert [t.item() for t in group2.run(_sum_ranks)] == [1.0, 1.0]
+    def test_ranks(group2):
+        assert group2.run(_whoami) == [(0, 2), (1, 2)]
 
-The function runs as ``tests.distributed.test_x._sum_ranks`` in the children, so the
+The function runs as ``tests.distributed.test_x._whoami`` in the children, so the
 ``tests`` directories are packages and pytest puts the repo root on ``sys.path``
 (``pythonpath = ["."]``); spawned children inherit the parent's ``sys.path``.
 Note that ``run`` reserves the keyword ``timeout`` for itself.
