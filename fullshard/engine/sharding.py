@@ -84,6 +84,8 @@ def shard_module(
             for sp in params:
                 sp.attach(bucket.padded_shard(sp))
             buckets.append(bucket)
+        for o in mine:
+            o.param = None  # drop our reference to the full tensor: only shards remain
         units.append(Unit(module, names[id(module)], buckets))
 
     buffer_dtype = mixed_precision.buffer_dtype if mixed_precision else None

@@ -78,8 +78,9 @@ class ParamOwnership:
     """Each parameter (by first name) with the modules that hold it and its owning unit."""
 
     name: str
-    param: nn.Parameter
-    """The parameter object found at wrap time (a meta tensor if the model was on meta)."""
+    param: nn.Parameter | None
+    """The parameter object found at wrap time (a meta tensor if the model was on meta);
+    cleared once it is sharded so the full tensor can be freed."""
     refs: list[tuple[nn.Module, str]]
     unit: nn.Module
 
