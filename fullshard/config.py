@@ -103,6 +103,11 @@ def resolve_bucketing_strategy(bucketing: object) -> FSDPBucketingStrategy:
     """Accept an `FSDPBucketingStrategy` or its name in any case."""
     if isinstance(bucketing, FSDPBucketingStrategy):
         return bucketing
+    if not isinstance(bucketing, str):
+        raise TypeError(
+            f"bucketing_strategy must be an FSDPBucketingStrategy or a string, got "
+            f"{type(bucketing).__name__}: {bucketing!r}"
+        )
     if isinstance(bucketing, str):
         key = bucketing.strip().upper()
         if key in FSDPBucketingStrategy.__members__:
