@@ -39,8 +39,15 @@ def main() -> None:
     if "RANK" not in os.environ:  # not launched yet: start args.nproc ranks of this script
         if args.nproc < 1:
             sys.exit(f"--nproc must be >= 1, got {args.nproc}")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={args.nproc}", __file__, *sys.argv[1:]]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={args.nproc}",
+            __file__,
+            *sys.argv[1:],
+        ]
         sys.exit(subprocess.call(cmd))
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -49,7 +56,9 @@ def main() -> None:
     model = TinyGPT(vocab=64, dim=128, layers=4, heads=4, seq=32)
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     model = fullshard.fsdp(
-        model, sharding_strategy=args.strategy, bucketing_strategy=args.bucketing,
+        model,
+        sharding_strategy=args.strategy,
+        bucketing_strategy=args.bucketing,
         auto_wrap_policy={Block},
     )
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -64,7 +73,9 @@ def main() -> None:
     losses, t0 = [], time.perf_counter()
     for step in range(args.steps):
         starts = torch.randint(0, len(data) - 33, (args.batch,), generator=gen)
-        rows = torch.stack([data[s : s + 33] for s in starts])[rank * per_rank : (rank + 1) * per_rank]
+        rows = torch.stack([data[s : s + 33] for s in starts])[
+            rank * per_rank : (rank + 1) * per_rank
+        ]
         if step == args.steps - 1:
             fullshard.reset_comm_stats()
         logits = model(rows[:, :-1])
@@ -78,12 +89,20 @@ def main() -> None:
     elapsed = time.perf_counter() - t0
     if rank == 0:
         stats = fullshard.comm_stats()
-        print(f"\n{world} ranks, {args.strategy}, bucketing {args.bucketing}: "
-              f"{args.steps} steps in {elapsed:.1f} s")
+        print(
+            f"\n{world} ranks, {args.strategy}, bucketing {args.bucketing}: "
+            f"{args.steps} steps in {elapsed:.1f} s"
+        )
         print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
         print(f"parameter bytes per rank {local_bytes:,} vs {full_bytes:,} in one process")
-        print("collectives in the last step: " + ", ".join(
-            f"{k} {v['calls']} ({v['bytes'] / 2**20:.2f} MiB)" for k, v in stats.items() if v["calls"]))
+        print(
+            "collectives in the last step: "
+            + ", ".join(
+                f"{k} {v['calls']} ({v['bytes'] / 2**20:.2f} MiB)"
+                for k, v in stats.items()
+                if v["calls"]
+            )
+        )
     dist.destroy_process_group()
 
 
