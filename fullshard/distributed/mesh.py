@@ -58,7 +58,7 @@ def build_mesh(plan: ShardingPlan, mesh: object = None) -> ShardMesh:
             f"A device mesh was given with sharding strategy {plan.name}; a (replicate, shard) "
             f"mesh only applies to HYBRID_SHARD. Drop the mesh or use HYBRID_SHARD."
         )
-    if _is_device_mesh(mesh):
+    if is_device_mesh(mesh):
         return _from_device_mesh(mesh, world)
     if plan.no_shard:
         shape = (n, 1)
@@ -79,17 +79,25 @@ def build_mesh(plan: ShardingPlan, mesh: object = None) -> ShardMesh:
     return _from_device_mesh(device_mesh, world)
 
 
-def _validate_shape(mesh: object, world_size: int) -> tuple[int, int]:
-    if (
-        not isinstance(mesh, tuple | list)
-        or len(mesh) != 2
-        or not all(isinstance(x, int) and x >= 1 for x in mesh)
-    ):
+def check_mesh_shape(mesh: object) -> None:
+    """A `(replicate, shard)` mesh must be two positive ints (the world size is checked later)."""
+    if not isinstance(mesh, tuple | list):
         raise TypeError(
+            f"device_mesh must be a (replicate, shard) tuple of two positive ints or a 2-D "
+            f"DeviceMesh, got {type(mesh).__name__}: {mesh!r}"
+        )
+    if len(mesh) != 2 or not all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in mesh
+    ):
+        raise ValueError(
             f"device_mesh must be a (replicate, shard) tuple of two positive ints or a 2-D "
             f"DeviceMesh, got {mesh!r}"
         )
-    r, s = mesh
+
+
+def _validate_shape(mesh: object, world_size: int) -> tuple[int, int]:
+    check_mesh_shape(mesh)
+    r, s = mesh  # type: ignore[misc]
     if r * s != world_size:
         raise ValueError(
             f"The device mesh {tuple(mesh)} has {r * s} ranks but the world size is "
@@ -98,7 +106,7 @@ def _validate_shape(mesh: object, world_size: int) -> tuple[int, int]:
     return (r, s)
 
 
-def _is_device_mesh(mesh: object) -> bool:
+def is_device_mesh(mesh: object) -> bool:
     try:
         from torch.distributed.device_mesh import DeviceMesh
     except ImportError:  # pragma: no cover - very old torch

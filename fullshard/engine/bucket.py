@@ -23,8 +23,8 @@ device (one `.to`, a no-op without mixed precision or offload), so the gathered 
 with `param_dtype`. Gradients are packed and reduced in `reduce_dtype` and converted back to
 the master dtype and device on the way into `.grad`.
 
-Every buffer above except `shard_flat` and the reduce output is counted in `memory.TRACKER`
-for exactly as long as the bucket references it.
+Every buffer above except `shard_flat` and the reduce output is counted by `memory.track`
+for as long as it is alive.
 """
 
 from __future__ import annotations
@@ -37,12 +37,8 @@ import torch
 from fullshard.distributed import comm
 from fullshard.distributed.comm import CommHandle
 from fullshard.distributed.mesh import ShardMesh
-from fullshard.engine.memory import TRACKER
+from fullshard.engine.memory import track
 from fullshard.engine.sharded_param import ShardedParam
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 class Bucket:
@@ -75,7 +71,6 @@ class Bucket:
         host = torch.device("cpu") if offload else device
         pin = offload and torch.cuda.is_available()
         self.shard_flat = torch.zeros(offset, dtype=dtype, device=host, pin_memory=pin)
-        self._gather_in: torch.Tensor | None = None
         self._gather_out: torch.Tensor | None = None
         self._gather_handle: CommHandle | None = None
         self.unsharded: torch.Tensor | None = None
@@ -109,20 +104,14 @@ class Bucket:
             return
         send = self._gather_input()
         if send is not self.shard_flat:
-            TRACKER.add_param(_nbytes(send))
+            track(send, "param")
         if self.shard_size == 1:
             self.unsharded = send
             return
         n = self.numel * self.shard_size
-        out = torch.empty(n, dtype=self.compute_dtype, device=self.device)
-        TRACKER.add_param(_nbytes(out))
-        self._gather_in, self._gather_out = send, out
+        out = track(torch.empty(n, dtype=self.compute_dtype, device=self.device), "param")
+        self._gather_out = out  # the handle keeps `send` alive until the gather completes
         self._gather_handle = comm.all_gather(out, send, self.mesh.shard, async_op=async_op)
-
-    def _drop_gather_input(self) -> None:
-        if self._gather_in is not None and self._gather_in is not self.shard_flat:
-            TRACKER.add_param(-_nbytes(self._gather_in))
-        self._gather_in = None
 
     def finish_gather(self) -> torch.Tensor:
         if self.unsharded is not None:
@@ -133,21 +122,18 @@ class Bucket:
                 return self.unsharded
         assert self._gather_handle is not None and self._gather_out is not None
         self._gather_handle.wait()
-        self._drop_gather_input()
         out, self._gather_out, self._gather_handle = self._gather_out, None, None
         if len(self.params) == 1:
             self.unsharded = out
             return out
         s = self.shard_size
-        param_major = torch.empty_like(out)
-        TRACKER.add_param(_nbytes(param_major))
+        param_major = track(torch.empty_like(out), "param")
         torch.split_with_sizes_copy(
             out.view(s, self.numel),
             [p.layout.padded_shard_numel for p in self.params],
             dim=1,
             out=[self._param_major_slice(param_major, p).view(s, -1) for p in self.params],
         )
-        TRACKER.add_param(-_nbytes(out))
         del out
         self.unsharded = param_major
         return param_major
@@ -172,20 +158,15 @@ class Bucket:
         if self._gather_handle is not None:
             self._gather_handle.wait()
             self._gather_handle = None
-        self._drop_gather_input()
-        if self._gather_out is not None:
-            TRACKER.add_param(-_nbytes(self._gather_out))
-            self._gather_out = None
-        if self.unsharded is not None and self.unsharded is not self.shard_flat:
-            TRACKER.add_param(-_nbytes(self.unsharded))
-        self.unsharded = None
+        self._gather_out = self.unsharded = None
 
     # -- reduce -----------------------------------------------------------------------------
     def _rank_major_grads(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """Pack unsharded gradients rank-major with zero padding: (S * L,)."""
         s = self.shard_size
         out = torch.empty(s * self.numel, dtype=self.reduce_dtype, device=self.device)
-        TRACKER.add_grad(_nbytes(out))
+        if s > 1:  # with S == 1 the packed gradients become the `.grad` storage itself
+            track(out, "grad")
         rows = [g.reshape(p.layout.dim0, *p.layout.rest) for g, p in zip(grads, self.params)]
         # Casts to reduce_dtype while packing (the output's dtype wins).
         torch._chunk_cat(rows, dim=0, num_chunks=s, out=out.view(s, self.numel))
@@ -198,21 +179,17 @@ class Bucket:
             self.accumulated_grad = packed
         else:
             self.accumulated_grad.add_(packed)
-            TRACKER.add_grad(-_nbytes(packed))
 
     def start_reduce(self, grads: Sequence[torch.Tensor]) -> PendingReduction:
         """Issue the reduction of these unsharded gradients (plus any no_sync accumulation)."""
         packed = self._rank_major_grads(grads)
         if self.accumulated_grad is not None:
             packed.add_(self.accumulated_grad)
-            TRACKER.add_grad(-_nbytes(self.accumulated_grad))
             self.accumulated_grad = None
         return PendingReduction(self, packed)
 
     def drop_accumulated_grad(self) -> None:
-        if self.accumulated_grad is not None:
-            TRACKER.add_grad(-_nbytes(self.accumulated_grad))
-            self.accumulated_grad = None
+        self.accumulated_grad = None
 
 
 class PendingReduction:
@@ -244,11 +221,7 @@ class PendingReduction:
     def advance(self) -> bool:
         """Wait for the current stage; start the next. True once the result is final."""
         self._handle.wait()
-        if self._packed is not None:
-            # The reduce input is no longer needed (with S == 1 it lives on as the output,
-            # which becomes `.grad` storage: sharded-sized, so no longer counted either).
-            TRACKER.add_grad(-_nbytes(self._packed))
-            self._packed = None
+        self._packed = None  # the reduce input is no longer needed
         if self._replicate_pending:
             self._replicate_pending = False
             self._handle = comm.all_reduce(self.output, self.bucket.mesh.replicate, async_op=True)

@@ -2,9 +2,12 @@
 
 RSS and allocator statistics cannot tell whether sharding works (the allocator keeps freed
 buffers), so the engine counts the bytes of every unsharded buffer it allocates -- all-gather
-outputs and the parameter-major copies handed to modules, reduce-scatter inputs and `no_sync`
-gradient accumulators -- from allocation until it drops its reference. Between steps both
-current figures must be zero; the peaks show ZeRO-3 against ZeRO-2 and check the planner.
+inputs and outputs, the parameter-major copies handed to modules, reduce-scatter inputs and
+`no_sync` gradient accumulators -- from allocation until the buffer is actually freed: `track`
+attaches a weakref finalizer, so a buffer that autograd (or anyone) still references stays
+counted after the engine lets go of it. That is what makes a silent ZeRO-2 (autograd keeping
+gathered parameters alive until backward) visible here. Between steps both current figures
+must be zero; the peaks show ZeRO-3 against ZeRO-2 and check the planner.
 
 Autograd's own tensors (activations, the unsharded gradients it computes before handing them to
 the engine) are not counted: they are the model's, not the engine's.
@@ -13,6 +16,10 @@ the engine) are not counted: they are the model's, not the engine's.
 from __future__ import annotations
 
 import threading
+import weakref
+from typing import Literal
+
+import torch
 
 
 class _MemoryTracker:
@@ -45,6 +52,18 @@ class _MemoryTracker:
 
 
 TRACKER = _MemoryTracker()
+
+
+def track(tensor: torch.Tensor, kind: Literal["param", "grad"]) -> torch.Tensor:
+    """Count `tensor`'s bytes as unsharded `kind` bytes until the tensor object is freed.
+
+    Views keep their base tensor alive, so the count lasts as long as any view of it does.
+    """
+    nbytes = tensor.numel() * tensor.element_size()
+    add = TRACKER.add_param if kind == "param" else TRACKER.add_grad
+    add(nbytes)
+    weakref.finalize(tensor, add, -nbytes)
+    return tensor
 
 
 def memory_stats() -> dict[str, int]:

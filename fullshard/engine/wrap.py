@@ -42,7 +42,7 @@ def normalize_policy(policy: object) -> WrapPolicy | None:
             return recurse or isinstance(module, classes)
 
         return by_class
-    if callable(policy):
+    if callable(policy) and not isinstance(policy, nn.Module):
         return policy  # type: ignore[return-value]
     raise TypeError(
         f"auto_wrap_policy must be None, a set of nn.Module classes, a ModuleWrapPolicy or a "
@@ -93,18 +93,20 @@ class ParamOwnership:
 
 def assign_params(root: nn.Module, units: Iterable[nn.Module]) -> list[ParamOwnership]:
     """Find every parameter, every `(module, attribute)` holding it, and its owning unit, in
-    `named_parameters()` order."""
+    `named_parameters()` order.
+
+    A module may sit at several places in the tree (one `nn.Linear` reused by two blocks):
+    every place counts, so its parameters go to the innermost unit enclosing all of them.
+    """
     unit_ids = {id(u) for u in units}
     unit_parent: dict[int, nn.Module | None] = {id(root): None}
-    innermost: dict[int, nn.Module] = {}
+    enclosing: dict[int, list[nn.Module]] = {}  # module -> innermost unit at each place
 
     def walk(module: nn.Module, current: nn.Module) -> None:
-        innermost[id(module)] = current
+        enclosing.setdefault(id(module), []).append(current)
         for child in module.children():
-            if id(child) in innermost:
-                continue  # a module reused in two places: its first position counts
             if id(child) in unit_ids:
-                unit_parent[id(child)] = current
+                unit_parent.setdefault(id(child), current)
                 walk(child, child)
             else:
                 walk(child, current)
@@ -117,19 +119,21 @@ def assign_params(root: nn.Module, units: Iterable[nn.Module]) -> list[ParamOwne
             chain.append(parent)
         return chain
 
+    def common(a: nn.Module, b: nn.Module) -> nn.Module:
+        other = set(map(id, ancestors(b)))
+        return next(u for u in ancestors(a) if id(u) in other)
+
     found: dict[int, ParamOwnership] = {}
     for mod_name, module in root.named_modules():
+        places = enclosing[id(module)]
         for attr, p in module._parameters.items():
             if p is None:
                 continue
-            unit = innermost[id(module)]
-            if id(p) not in found:
+            entry = found.get(id(p))
+            if entry is None:
                 name = f"{mod_name}.{attr}" if mod_name else attr
-                found[id(p)] = ParamOwnership(name, p, [(module, attr)], unit)
-                continue
-            entry = found[id(p)]
+                entry = found[id(p)] = ParamOwnership(name, p, [], places[0])
             entry.refs.append((module, attr))
-            chain = ancestors(entry.unit)
-            other = set(map(id, ancestors(unit)))
-            entry.unit = next(u for u in chain if id(u) in other)
+            for unit in places:
+                entry.unit = common(entry.unit, unit)
     return list(found.values())
