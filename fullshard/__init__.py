@@ -5,8 +5,16 @@ gathered just before it runs and its gradients are reduce-scattered right after,
 keeps about 1/N of the model state.
 """
 
+from fullshard.api.fabric import Fabric, seed_everything
 from fullshard.api.functional import fsdp
-from fullshard.config import FSDPBucketingStrategy, FSDPType, ShardingStrategy
+from fullshard.api.strategy import FSDPStrategy
+from fullshard.config import (
+    CPUOffload,
+    FSDPBucketingStrategy,
+    FSDPType,
+    MixedPrecision,
+    ShardingStrategy,
+)
 from fullshard.distributed.comm import comm_stats, reset_comm_stats
 from fullshard.engine.full_state import full_state_dict, load_full_state_dict
 from fullshard.engine.memory import memory_stats, reset_memory_stats
@@ -25,5 +33,8 @@ __all__ = [
     "reset_comm_stats",
     "reset_memory_stats",
 ]
+
+# The Fabric-style front (issue 3).
+__all__ += ["CPUOffload", "FSDPStrategy", "Fabric", "MixedPrecision", "seed_everything"]
 
 __version__ = "0.1.0"

@@ -68,11 +68,13 @@ def install_rank_hooks(global_rank: int, local_rank: int) -> None:
     previous = sys.excepthook
 
     def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        global _FAILED
+        _FAILED = True
         previous(exc_type, exc, tb)
-        if exc_type is not KeyboardInterrupt:
+        if exc_type is not KeyboardInterrupt and not _LAUNCHING_PARENT:
             _say(
                 f"rank {global_rank} (local rank {local_rank}, pid {os.getpid()}) failed with "
-                f"{exc_type.__name__}: {exc}"
+                f"{short(exc)}"
             )
 
     sys.excepthook = hook
@@ -85,6 +87,20 @@ def install_rank_hooks(global_rank: int, local_rank: int) -> None:
 
 
 _HOOKED_RANK: tuple[int, int] | None = None
+_LAUNCHING_PARENT = False  # this process started local ranks: its launcher reports failures
+_FAILED = False
+
+
+def rank_failed() -> bool:
+    """Whether this rank is exiting because of an uncaught exception."""
+    return _FAILED
+
+
+def short(exc: BaseException, limit: int = 300) -> str:
+    """`Type: first line of the message`, at most `limit` characters."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _watch_parent(parent_pid: int, global_rank: int) -> None:
@@ -129,6 +145,13 @@ class SubprocessScriptLauncher:
     def _start_children(self) -> None:
         env = self.cluster_environment
         world = self.num_processes * self.num_nodes
+        if self.num_nodes > 1 and not {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
+            raise RuntimeError(
+                f"Fabric(num_nodes={self.num_nodes}).launch() from a plain process needs "
+                f"MASTER_ADDR and MASTER_PORT (node 0's address and a free port) and NODE_RANK "
+                f"in the environment of every node; or start each node with `fullshard run "
+                f"--nnodes {self.num_nodes} --node-rank K --master-addr A --master-port P`."
+            )
         os.environ.update(
             MASTER_ADDR=env.main_address,
             MASTER_PORT=str(env.main_port),
@@ -147,6 +170,8 @@ class SubprocessScriptLauncher:
             proc = subprocess.Popen(command, env=child_env)
             self.children.append((local_rank, proc))
         os.environ.update(LOCAL_RANK="0", RANK=str(self._global_rank(0)))
+        global _LAUNCHING_PARENT
+        _LAUNCHING_PARENT = True
         threading.Thread(target=self._watchdog, daemon=True, name="fullshard-watchdog").start()
         previous = sys.excepthook
 
@@ -211,10 +236,9 @@ class SubprocessScriptLauncher:
             while failed is None and time.monotonic() < deadline:
                 time.sleep(_POLL_S)
                 failed = self._failed_child()
-            exc_type, exc = self._rank0_failed
             rank0 = (
                 f"rank {self._global_rank(0)} (local rank 0, pid {os.getpid()}) failed with "
-                f"{exc_type.__name__}: {exc}"
+                f"{short(self._rank0_failed[1])}"
             )
             if failed is not None:
                 local_rank, proc, code = failed

@@ -73,7 +73,17 @@ def run_with_torchrun(argv: Sequence[str]) -> int:
 
     try:
         torchrun_main(list(argv))
-    except ChildFailedError:
+    except ChildFailedError as e:
+        sys.stderr.write(f"{e}\n")
+        rank, failure = e.get_first_failure()
+        code = failure.exitcode
+        how = (f"was killed by signal {failure.signal_name()}" if code < 0
+               else f"exited with code {code}")
+        sys.stderr.write(
+            f"fullshard run: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) "
+            f"{how} (the first failure); the other ranks were stopped.\n"
+        )
+        sys.stderr.flush()
         return 1
     except KeyboardInterrupt:
         return 130

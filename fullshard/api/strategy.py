@@ -1,0 +1,621 @@
+"""`FSDPStrategy`: Lightning Fabric's FSDP strategy (constructor, methods, meanings) on our engine.
+
+It owns the translation from Lightning's options to `fullshard.fsdp()` and the job-level
+duties around it: the process group (`setup_environment`), which launcher starts the ranks
+(`_configure_launcher`), wrapping and optimizer checks, user collectives, the global gradient
+norm, and checkpoints (delegated to `api.checkpoint_io`). It owns no sharding logic.
+
+Meanings where Lightning's FSDP and ours differ on purpose:
+- `setup_module_and_optimizers` (`fabric.setup(model, optimizer)`) accepts an optimizer built
+  on the unwrapped model's parameters if it has no state yet: its parameter references are
+  replaced by the shards (torch FSDP's `use_orig_params=True` gives Lightning the same). A
+  separate `setup_optimizer` refuses an optimizer that holds anything but the shards.
+- `clip_gradients_norm` returns the true global norm and honours `error_if_nonfinite`.
+- a tuple `device_mesh` is checked against the world size by us, on CPU and CUDA alike.
+- unknown `**kwargs` are a `TypeError` (torch FSDP1 options that have an equivalent here say
+  which), never dropped.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import warnings
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from fullshard.api.functional import fsdp
+from fullshard.api.grad_norm import clip_grad_norm
+from fullshard.api.optimizer_setup import (
+    check_holds_only,
+    check_no_meta,
+    check_rebindable,
+    repoint,
+)
+from fullshard.config import (
+    CPUOffload,
+    MixedPrecision,
+    mixed_precision_for,
+    resolve_bucketing_strategy,
+    resolve_precision,
+    resolve_sharding_strategy,
+)
+from fullshard.distributed import comm
+from fullshard.distributed.environment import ClusterEnvironment, detect_environment
+from fullshard.distributed.mesh import check_mesh_shape, is_device_mesh
+from fullshard.engine.module import FullyShardedModule
+from fullshard.engine.wrap import normalize_policy
+
+ENGINE_OPTIONS = (
+    "bucketing_strategy",
+    "prefetch_limit",
+    "max_pending_reductions",
+    "broadcast_from",
+    "move_state_dict_to_cpu",
+)
+_TORCH_FSDP_HINTS = {
+    "use_orig_params": "fullshard always exposes the original parameters (as shards); drop it",
+    "limit_all_gathers": "use prefetch_limit=N (units gathered ahead of the running one)",
+    "forward_prefetch": "use prefetch_limit=N",
+    "backward_prefetch": "use prefetch_limit=N",
+    "sync_module_states": "use broadcast_from=0",
+    "process_group": "use device_mesh=(replicate, shard) or a DeviceMesh with HYBRID_SHARD",
+    "param_init_fn": "build the model under fabric.init_module(empty_init=True); modules are "
+    "materialized with their reset_parameters()",
+    "device_id": "the device follows the local rank (FSDPStrategy.root_device)",
+}
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+    "prod": dist.ReduceOp.PRODUCT,
+}
+
+
+class FSDPStrategy:
+    """Fully sharded data parallel training, configured as Lightning Fabric's `FSDPStrategy`.
+
+    Args:
+        accelerator: 'cpu', 'cuda'/'gpu' or None (CUDA when available; Fabric sets it).
+        parallel_devices: the devices of this node's ranks (Fabric sets it from `devices`).
+        cluster_environment: a `fullshard.distributed.environment.ClusterEnvironment`
+            (default: detected -- torchelastic, SLURM, else the local environment).
+        precision: '32-true', '16-mixed', 'bf16-mixed', '16-true', 'bf16-true' (None: fp32).
+        process_group_backend: default 'nccl' on CUDA, 'gloo' on CPU.
+        timeout: the process group's collective timeout.
+        cpu_offload: True / `CPUOffload` (ours or torch's).
+        mixed_precision: `MixedPrecision` (ours or torch's); wins over `precision`.
+        auto_wrap_policy: which modules become units: a set of module classes, torch's
+            `ModuleWrapPolicy`, or a callable `(module, recurse, nonwrapped_numel) -> bool`.
+        activation_checkpointing: deprecated; a module class or list of them.
+        activation_checkpointing_policy: modules whose activations are recomputed in
+            backward (same forms as `auto_wrap_policy`).
+        sharding_strategy: 'FULL_SHARD', 'SHARD_GRAD_OP', 'NO_SHARD', 'HYBRID_SHARD' (any
+            case) or torch's `ShardingStrategy`.
+        state_dict_type: 'sharded' (one file per rank) or 'full' (one file) for checkpoints.
+        device_mesh: HYBRID_SHARD only: `(replicate, shard)` with product == world size, or a
+            2-D `DeviceMesh`. Default for HYBRID_SHARD: (nodes, ranks per node).
+        **kwargs: engine options of `fullshard.fsdp`: bucketing_strategy, prefetch_limit,
+            max_pending_reductions, broadcast_from, move_state_dict_to_cpu.
+    """
+
+    def __init__(
+        self,
+        *,
+        accelerator: str | None = None,
+        parallel_devices: Sequence[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        precision: str | int | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | float | None = timedelta(seconds=1800),
+        cpu_offload: bool | CPUOffload | object | None = None,
+        mixed_precision: MixedPrecision | object | None = None,
+        auto_wrap_policy: object = None,
+        activation_checkpointing: type[nn.Module] | Sequence[type[nn.Module]] | None = None,
+        activation_checkpointing_policy: object = None,
+        sharding_strategy: object = "FULL_SHARD",
+        state_dict_type: str = "sharded",
+        device_mesh: tuple[int, int] | object | None = None,
+        **kwargs: Any,
+    ) -> None:
+        unknown = [k for k in kwargs if k not in ENGINE_OPTIONS]
+        if unknown:
+            hints = "".join(
+                f"\n  {k}: {_TORCH_FSDP_HINTS[k]}" for k in unknown if k in _TORCH_FSDP_HINTS
+            )
+            raise TypeError(
+                f"FSDPStrategy got unexpected keyword argument(s) {', '.join(map(repr, unknown))}."
+                f" Engine options accepted as keywords: {', '.join(ENGINE_OPTIONS)}.{hints}"
+            )
+        if "bucketing_strategy" in kwargs:
+            resolve_bucketing_strategy(kwargs["bucketing_strategy"])
+        for name in ("prefetch_limit", "max_pending_reductions"):
+            value = kwargs.get(name, 1)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"FSDPStrategy({name}=...) must be an int >= 0, got {value!r}")
+        self._engine_kwargs = dict(kwargs)
+
+        self._plan = resolve_sharding_strategy(sharding_strategy)
+        if device_mesh is not None:
+            if not self._plan.hybrid:
+                raise ValueError(
+                    f"FSDPStrategy(device_mesh={device_mesh!r}) only applies to "
+                    f"sharding_strategy='HYBRID_SHARD', but sharding_strategy is "
+                    f"{self._plan.name!r}. Drop device_mesh or use HYBRID_SHARD."
+                )
+            if not is_device_mesh(device_mesh):
+                check_mesh_shape(device_mesh)
+                device_mesh = tuple(device_mesh)  # type: ignore[arg-type]
+        self.device_mesh = device_mesh
+
+        if state_dict_type not in ("full", "sharded"):
+            raise ValueError(
+                f"FSDPStrategy(state_dict_type={state_dict_type!r}) must be 'full' (one file "
+                f"with the unsharded state) or 'sharded' (a directory with a file per rank)."
+            )
+        self._state_dict_type = state_dict_type
+
+        if activation_checkpointing is not None and activation_checkpointing_policy is not None:
+            raise ValueError(
+                "You cannot set both `activation_checkpointing` and "
+                "`activation_checkpointing_policy`. Use the latter."
+            )
+        if activation_checkpointing is not None:
+            warnings.warn(
+                "FSDPStrategy(activation_checkpointing=...) is deprecated; use "
+                "activation_checkpointing_policy={...module classes...}.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            classes = activation_checkpointing
+            if isinstance(classes, type):
+                classes = [classes]
+            activation_checkpointing_policy = set(classes)  # type: ignore[arg-type]
+        normalize_policy(auto_wrap_policy)  # TypeError early for a malformed policy
+        normalize_policy(activation_checkpointing_policy)
+        self.auto_wrap_policy = auto_wrap_policy
+        self.activation_checkpointing_policy = activation_checkpointing_policy
+
+        self.cpu_offload = CPUOffload.coerce(cpu_offload)
+        self.mixed_precision = MixedPrecision.coerce(mixed_precision)
+        self._precision = resolve_precision(precision) if precision is not None else None
+
+        if accelerator is not None and accelerator not in ("cpu", "cuda", "gpu"):
+            raise ValueError(
+                f"FSDPStrategy(accelerator={accelerator!r}) must be 'cpu', 'cuda' or 'gpu'."
+            )
+        self.accelerator = "cuda" if accelerator == "gpu" else accelerator
+        self.parallel_devices = list(parallel_devices) if parallel_devices is not None else None
+        self.cluster_environment = cluster_environment
+        if process_group_backend is not None and not isinstance(process_group_backend, str):
+            raise TypeError(
+                f"process_group_backend must be a string such as 'gloo' or 'nccl', got "
+                f"{process_group_backend!r}"
+            )
+        self._process_group_backend = process_group_backend
+        if timeout is not None and not isinstance(timeout, timedelta):
+            if isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout > 0:
+                timeout = timedelta(seconds=timeout)
+            else:
+                raise TypeError(f"timeout must be a datetime.timedelta, got {timeout!r}")
+        self._timeout = timeout
+        self._num_nodes = 1
+        self._launcher: Any = None
+        self._modules: list[weakref.ReferenceType[nn.Module]] = []
+
+    # -- job facts --------------------------------------------------------------------------
+    @property
+    def sharding_strategy(self) -> str:
+        return self._plan.name
+
+    @property
+    def state_dict_type(self) -> str:
+        return self._state_dict_type
+
+    @property
+    def precision(self) -> str:
+        return self._precision or "32-true"
+
+    @precision.setter
+    def precision(self, value: str | int | None) -> None:
+        self._precision = resolve_precision(value) if value is not None else None
+
+    @property
+    def mixed_precision_config(self) -> MixedPrecision | None:
+        """The user's `mixed_precision`, else what the precision string stands for."""
+        return self.mixed_precision or mixed_precision_for(self.precision)
+
+    @property
+    def timeout(self) -> timedelta | None:
+        return self._timeout
+
+    @property
+    def launcher(self) -> Any:
+        return self._launcher
+
+    def _environment(self) -> ClusterEnvironment:
+        if self.cluster_environment is None:
+            self.cluster_environment = detect_environment()
+        return self.cluster_environment
+
+    def _devices(self) -> list[torch.device]:
+        if self.parallel_devices is None:
+            from fullshard.distributed.environment import launched_world_size
+
+            n = launched_world_size() or 1
+            if self._accelerator_type() == "cuda":
+                self.parallel_devices = [torch.device("cuda", i) for i in range(n)]
+            else:
+                self.parallel_devices = [torch.device("cpu")] * n
+        return self.parallel_devices
+
+    def _accelerator_type(self) -> str:
+        if self.accelerator is None:
+            self.accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+        return self.accelerator
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, value: int) -> None:
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"num_nodes must be an int >= 1, got {value!r}")
+        self._num_nodes = value
+
+    @property
+    def num_processes(self) -> int:
+        return len(self._devices())
+
+    @property
+    def world_size(self) -> int:
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size()
+        return self._environment().world_size()
+
+    @property
+    def global_rank(self) -> int:
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+        return self._environment().global_rank()
+
+    @property
+    def local_rank(self) -> int:
+        return self._environment().local_rank()
+
+    @property
+    def node_rank(self) -> int:
+        return self._environment().node_rank()
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+    @property
+    def root_device(self) -> torch.device:
+        devices = self._devices()
+        if self._accelerator_type() == "cuda":
+            return devices[self.local_rank % len(devices)]
+        return torch.device("cpu")
+
+    @property
+    def process_group_backend(self) -> str:
+        if self._process_group_backend is not None:
+            return self._process_group_backend
+        return "nccl" if self.root_device.type == "cuda" else "gloo"
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """Every rank is a data-parallel rank (replicate and shard axes alike)."""
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def _set_world_ranks(self) -> None:
+        env = self._environment()
+        n = self.num_processes
+        env.set_world_ranks(
+            world_size=self.num_nodes * n, global_rank=self.node_rank * n + self.local_rank
+        )
+
+    def _configure_launcher(self) -> None:
+        """A launcher that starts the local ranks, unless something else already started them."""
+        from fullshard.launch.subprocess_script import SubprocessScriptLauncher
+
+        env = self._environment()
+        if env.creates_processes_externally:
+            self._launcher = None
+        else:
+            self._launcher = SubprocessScriptLauncher(
+                env, num_processes=self.num_processes, num_nodes=self.num_nodes
+            )
+
+    def validate_world(self, world_size: int) -> None:
+        """Check what depends on the world size (the mesh) before any process group exists."""
+        mesh = self.device_mesh
+        if isinstance(mesh, tuple) and mesh[0] * mesh[1] != world_size:
+            raise ValueError(
+                f"FSDPStrategy(device_mesh={mesh}) has {mesh[0] * mesh[1]} ranks but the world "
+                f"size is {world_size}. Choose (replicate, shard) with replicate * shard == "
+                f"{world_size}, e.g. ({max(1, world_size // mesh[1])}, {mesh[1]}) if that "
+                f"divides evenly, or leave device_mesh=None for (nodes, ranks per node)."
+            )
+
+    def setup_environment(self) -> None:
+        """Join (or create) the default process group for this rank."""
+        from fullshard.launch.subprocess_script import install_rank_hooks
+
+        env = self._environment()
+        self._set_world_ranks()
+        world = env.world_size()
+        self.validate_world(world)
+        if self.root_device.type == "cuda":
+            torch.cuda.set_device(self.root_device)
+        if not dist.is_initialized():
+            os.environ.setdefault("MASTER_ADDR", env.main_address)
+            os.environ.setdefault("MASTER_PORT", str(env.main_port))
+            kwargs: dict[str, Any] = {}
+            if self._timeout is not None:
+                kwargs["timeout"] = self._timeout
+            dist.init_process_group(
+                self.process_group_backend, rank=env.global_rank(), world_size=world, **kwargs
+            )
+            # Exiting with a live gloo/NCCL group can abort in its destructors at shutdown.
+            atexit.register(_destroy_process_group)
+        elif dist.get_world_size() != world and "WORLD_SIZE" in os.environ:
+            raise ValueError(
+                f"torch.distributed is already initialized with world size "
+                f"{dist.get_world_size()}, but the environment says {world}."
+            )
+        self.validate_world(dist.get_world_size())
+        install_rank_hooks(dist.get_rank(), self.local_rank)
+
+    def teardown(self) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- wrapping ---------------------------------------------------------------------------
+    def _mesh_argument(self) -> object:
+        if not self._plan.hybrid:
+            return None
+        if self.device_mesh is not None:
+            return self.device_mesh
+        world = self.world_size
+        per_node = self.num_processes if world % self.num_processes == 0 else world
+        return (world // per_node, per_node)
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Shard `module` in place with this strategy's options and return it."""
+        if isinstance(module, FullyShardedModule):
+            return module
+        options: dict[str, Any] = dict(
+            device=self.root_device,
+            sharding_strategy=self._plan.name,
+            auto_wrap_policy=self.auto_wrap_policy,
+            device_mesh=self._mesh_argument(),
+            mixed_precision=self.mixed_precision_config,
+            cpu_offload=self.cpu_offload,
+            activation_checkpointing_policy=self.activation_checkpointing_policy,
+            **self._engine_kwargs,
+        )
+        wrapped = fsdp(module, **options)
+        self._modules.append(weakref.ref(wrapped))
+        return wrapped
+
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: Sequence[Optimizer], scheduler: Any = None
+    ) -> tuple[nn.Module, list[Optimizer], Any]:
+        """Shard `module` and point optimizers built on its unwrapped parameters at the shards.
+
+        Each optimizer must hold only `module`'s parameters and have no state yet (it was
+        never stepped nor loaded); otherwise a `ValueError` says how to set things up instead.
+        """
+        optimizers = list(optimizers)
+        for opt in optimizers:
+            check_no_meta(opt)
+        if isinstance(module, FullyShardedModule):
+            for opt in optimizers:
+                self.setup_optimizer(opt)
+            return module, optimizers, scheduler
+        names_of: dict[int, str] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            names_of.setdefault(id(p), name)
+        for opt in optimizers:
+            check_rebindable(opt, names_of)
+        module = self.setup_module(module)
+        new = dict(module.named_parameters(remove_duplicate=False))
+        for opt in optimizers:
+            repoint(opt, names_of, new)
+        return module, optimizers, scheduler
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Check that `optimizer` holds only shards of models set up by this strategy."""
+        check_no_meta(optimizer)
+        known = {id(p) for ref in self._modules if (m := ref()) is not None
+                 for p in m.parameters()}
+        check_holds_only(optimizer, known)
+        return optimizer
+
+    def module_to_device(self, module: nn.Module) -> None:
+        """No-op: setting the module up places its shards on `root_device`."""
+
+    def module_init_context(self, empty_init: bool | None = None) -> contextlib.ExitStack:
+        """Build the model on the meta device when `empty_init` (materialized and sharded one
+        unit at a time by `setup_module`, via each module's `reset_parameters`)."""
+        stack = contextlib.ExitStack()
+        if empty_init:
+            stack.enter_context(torch.device("meta"))
+        stack.enter_context(self.module_sharded_context())
+        return stack
+
+    def module_sharded_context(self) -> contextlib.AbstractContextManager:
+        """Nothing to enter: sharding happens at `setup_module` (there is no manual `wrap`)."""
+        return contextlib.nullcontext()
+
+    def _wrapped(self, module: nn.Module, what: str) -> nn.Module:
+        if not isinstance(module, FullyShardedModule):
+            raise TypeError(
+                f"{what} needs a model set up by FSDPStrategy / fabric.setup(); got an "
+                f"unwrapped {type(module).__name__}."
+            )
+        return module
+
+    # -- training-loop helpers --------------------------------------------------------------
+    def backward(self, tensor: torch.Tensor, module: nn.Module | None = None, *args: Any,
+                 **kwargs: Any) -> None:
+        tensor.backward(*args, **kwargs)
+
+    def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        return optimizer.step(**kwargs)
+
+    @contextlib.contextmanager
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> Iterator[None]:
+        if not enabled:
+            yield
+            return
+        with self._wrapped(module, "no_backward_sync").no_sync():  # type: ignore[attr-defined]
+            yield
+
+    @torch.no_grad()
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer | None,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        """Scale the gradients so their global norm is at most `max_norm`; return that norm.
+
+        The norm is over the unsharded gradients: each rank's shard contributes its sum of
+        `|g|^p` (its max for `inf`), reduced over the shard axis only -- replicas along the
+        replicate axis hold the same shards, and padding rows are not part of the shards.
+        Every rank gets the same norm, so with `error_if_nonfinite` they all raise together.
+        """
+        module = self._wrapped(module, "clip_gradients_norm")
+        group = module.fullshard_runtime.mesh.shard  # type: ignore[attr-defined]
+        norm_type = float(norm_type)
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        device = grads[0].device if grads else self.root_device
+        return clip_grad_norm(
+            grads, max_norm, norm_type, group, device, error_if_nonfinite=error_if_nonfinite
+        )
+
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer | None,
+                             clip_val: float) -> None:
+        """Clamp every gradient element to `[-clip_val, clip_val]` (exact on shards)."""
+        torch.nn.utils.clip_grad_value_(module.parameters(), clip_val)
+
+    # -- collectives for the user -----------------------------------------------------------
+    def _group(self, group: object) -> comm.Group:
+        if isinstance(group, comm.Group):
+            return group
+        return comm.Group.from_process_group(group)
+
+    def all_reduce(self, tensor: Any, group: object = None, reduce_op: object = "mean") -> Any:
+        """Reduce `tensor` in place over `group` (default: all ranks) and return it.
+
+        `reduce_op`: 'mean' (also 'avg'), 'sum', 'max', 'min', 'product', or a `ReduceOp`.
+        Non-tensors are returned unchanged. 'mean' of an integer tensor returns a new float
+        tensor.
+        """
+        if not isinstance(tensor, torch.Tensor) or not dist.is_initialized():
+            return tensor
+        op, mean = _reduce_op(reduce_op)
+        g = self._group(group)
+        if mean and not tensor.is_floating_point():
+            tensor = tensor.float()
+        comm.all_reduce(tensor, g, op=op)
+        if mean:
+            tensor.div_(g.size)
+        return tensor
+
+    def barrier(self, name: str | None = None) -> None:
+        if dist.is_available() and dist.is_initialized():
+            comm.barrier(comm.Group.from_process_group(None))
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """`obj` from global rank `src` on every rank (any picklable object; no numpy needed)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return obj
+        return comm.broadcast_pickled(obj, src, comm.Group.from_process_group(None))
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def save_checkpoint(
+        self,
+        path: str | os.PathLike,
+        state: dict[str, Any],
+        storage_options: Any = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Save `state` ({'model': model, 'optimizer': opt, ...}); collective: every rank calls.
+
+        'full': one file written by rank 0 (unsharded model state under the original names,
+        optimizer state keyed by parameter name). 'sharded': a directory with `rank{r}.pt` per
+        rank and `meta.pt`. Either is written under a temporary name and renamed into place.
+        """
+        from fullshard.api import checkpoint_io
+
+        if storage_options is not None:
+            raise TypeError(
+                "FSDPStrategy.save_checkpoint(..., storage_options=...) is not supported: the "
+                "strategy writes its files itself."
+            )
+        checkpoint_io.save(self, path, state, self._state_dict_type, filter)
+
+    def load_checkpoint(
+        self,
+        path: str | os.PathLike,
+        state: dict[str, Any] | nn.Module | None = None,
+        strict: bool = True,
+    ) -> dict[str, Any]:
+        """Load a checkpoint (either format, detected from the path) into `state` in place;
+        return the checkpoint's entries that `state` did not ask for."""
+        from fullshard.api import checkpoint_io
+
+        return checkpoint_io.load(self, path, state, strict)
+
+    def __repr__(self) -> str:
+        return (
+            f"FSDPStrategy(sharding_strategy={self._plan.name!r}, "
+            f"state_dict_type={self._state_dict_type!r}, precision={self.precision!r})"
+        )
+
+
+def _destroy_process_group() -> None:
+    """At a normal exit: wait for every rank, then tear the group down, so no rank closes its
+    connections while a peer still talks to it. After a failure: just tear down."""
+    from fullshard.launch.subprocess_script import rank_failed
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if not rank_failed():
+            dist.barrier()
+    except Exception:  # noqa: BLE001 - a peer is gone; nothing left to wait for
+        pass
+    dist.destroy_process_group()
+
+
+def _reduce_op(reduce_op: object) -> tuple[Any, bool]:
+    if isinstance(reduce_op, str):
+        key = reduce_op.lower()
+        if key in ("mean", "avg"):
+            return dist.ReduceOp.SUM, True
+        if key in _REDUCE_OPS:
+            return _REDUCE_OPS[key], False
+        raise ValueError(
+            f"reduce_op={reduce_op!r} is not supported; use 'mean', 'sum', 'max', 'min', "
+            f"'product' or a torch.distributed.ReduceOp."
+        )
+    if reduce_op == dist.ReduceOp.AVG:
+        return dist.ReduceOp.SUM, True
+    return reduce_op, False

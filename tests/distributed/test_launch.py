@@ -1,0 +1,178 @@
+"""Launching: `fullshard run` arguments and help, environment detection, and rank death -- a
+rank raising / exiting / SIGKILLed mid-step under `fullshard run` and under Fabric.launch():
+every process gone and a non-zero exit within 30 s, the failing rank named."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fullshard.cli import main as cli_main
+from fullshard.distributed.environment import (
+    LocalEnvironment,
+    SLURMEnvironment,
+    TorchElasticEnvironment,
+    detect_environment,
+    first_slurm_host,
+)
+from fullshard.launch.torchrun import torchrun_argv
+from tests.distributed.test_fabric import FULLSHARD, ROOT, SCRIPT, child_env
+
+
+def test_run_help(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli_main(["run", "--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--nproc-per-node", "--nnodes", "--node-rank", "--master-addr",
+                 "--master-port", "--node-rank 1"):
+        assert flag in text
+    # ... and through the installed entry point's module, as a user runs it.
+    proc = subprocess.run([*FULLSHARD, "run", "--help"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and "torch.distributed.run" in proc.stdout
+
+
+def test_run_argument_errors(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli_main(["run", "--nnodes", "2", "script.py"])
+    assert info.value.code == 2
+    assert "--master-port" in capsys.readouterr().err
+
+
+def test_torchrun_argv() -> None:
+    one = torchrun_argv("t.py", ["--x", "1"], nproc_per_node=2)
+    assert "--standalone" in one and "--max-restarts=0" in one and "--nproc-per-node=2" in one
+    assert one[-3:] == ["t.py", "--x", "1"]
+    two = torchrun_argv("t.py", nproc_per_node=2, nnodes=2, node_rank=1, master_addr="10.0.0.1",
+                        master_port=29511, module=True)
+    assert "--standalone" not in two and "--module" in two
+    assert {"--nnodes=2", "--node-rank=1", "--master-addr=10.0.0.1",
+            "--master-port=29511"} <= set(two)
+    with pytest.raises(ValueError, match="--node-rank must be in"):
+        torchrun_argv("t.py", nnodes=2, node_rank=2, master_port=1)
+
+
+def test_environment_detection(monkeypatch) -> None:
+    for var in ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "SLURM_JOB_NAME"):
+        monkeypatch.delenv(var, raising=False)
+    env = detect_environment()
+    assert isinstance(env, LocalEnvironment) and not env.creates_processes_externally
+    env.set_world_ranks(world_size=4, global_rank=2)
+    assert (env.world_size(), env.global_rank()) == (4, 2)
+
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("SLURM_NODEID", "2")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2(x4)")
+    monkeypatch.setenv("SLURM_NNODES", "4")
+    monkeypatch.setenv("SLURM_NODELIST", "gpu[007-010],cpu1")
+    monkeypatch.setenv("SLURM_JOB_ID", "123456")
+    env = detect_environment()
+    assert isinstance(env, SLURMEnvironment) and env.creates_processes_externally
+    assert (env.world_size(), env.global_rank(), env.local_rank(), env.node_rank()) == (8, 5, 1, 2)
+    assert env.main_address == "gpu007" and env.main_port == 15000 + 3456
+    env.validate_settings(2, 4)
+    with pytest.raises(ValueError, match="tasks per node"):
+        env.validate_settings(4, 2)
+    monkeypatch.setenv("SLURM_JOB_NAME", "bash")  # an interactive allocation: not managed
+    assert isinstance(detect_environment(), LocalEnvironment)
+
+    for k, v in dict(TORCHELASTIC_RUN_ID="x", RANK="3", WORLD_SIZE="4", LOCAL_RANK="1",
+                     LOCAL_WORLD_SIZE="2", GROUP_RANK="1").items():
+        monkeypatch.setenv(k, v)
+    env = detect_environment()
+    assert isinstance(env, TorchElasticEnvironment)
+    assert (env.world_size(), env.global_rank(), env.local_rank(), env.node_rank()) == (4, 3, 1, 1)
+    with pytest.raises(ValueError, match=r"devices=1 and num_nodes=1, but torchrun started 4"):
+        env.validate_settings(1, 1)
+    assert first_slurm_host("node1,node2") == "node1"
+
+
+# -- rank death -------------------------------------------------------------------------------
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1].startswith("Z")  # a zombie is dead
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return True
+
+
+def _launch_and_kill(tmp_path: Path, launcher: str, fail_rank: int, how: str) -> str:
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    args = [str(SCRIPT), "--fail-rank", str(fail_rank), "--fail-how", how, "--fail-step", "1",
+            "--pids-dir", str(pids)]
+    if launcher == "run":
+        cmd = [*FULLSHARD, "run", "--nproc-per-node", "2", *args]
+    else:
+        cmd = [sys.executable, *args, "--devices", "2"]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        out = proc.communicate(timeout=60)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0, out[-3000:]
+    assert elapsed < 30, f"took {elapsed:.1f}s\n{out[-3000:]}"
+    recorded = [int(p.read_text()) for p in pids.iterdir()]
+    assert len(recorded) == 2, out[-3000:]
+    deadline = time.monotonic() + 5  # the launcher has exited; its children must be gone too
+    while not all(_gone(p) for p in recorded) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(p) for p in recorded), f"left running: {recorded}\n{out[-3000:]}"
+    return out
+
+
+@pytest.mark.parametrize(
+    "launcher, how, expected",
+    [
+        ("run", "raise", r"rank 1 \(local rank 1, pid \d+\) exited with code 1 \(the first"),
+        ("run", "sigkill", r"rank 1 \(local rank 1, pid \d+\) was killed by signal SIGKILL"),
+        ("fabric", "raise", r"rank 1 \(local rank 1, pid \d+\) exited with code 1"),
+        ("fabric", "sigkill", r"rank 1 \(local rank 1, pid \d+\) was killed by signal SIGKILL"),
+        ("fabric", "exit", r"rank 1 \(local rank 1, pid \d+\) exited with code 3"),
+    ],
+    ids=["run-raise", "run-sigkill", "fabric-raise", "fabric-sigkill", "fabric-os_exit"],
+)
+def test_a_dead_rank_ends_the_launch(tmp_path: Path, launcher, how, expected) -> None:
+    import re
+
+    out = _launch_and_kill(tmp_path, launcher, 1, how)
+    assert re.search(expected, out), out[-3000:]
+    if how == "raise":
+        assert "injected failure on rank 1" in out
+
+
+def test_fabric_rank0_failing_ends_its_children(tmp_path: Path) -> None:
+    out = _launch_and_kill(tmp_path, "fabric", 0, "raise")
+    assert "rank 0 (local rank 0" in out and "injected failure on rank 0" in out
+
+
+def test_launch_from_an_interactive_process_says_how() -> None:
+    code = (
+        "from fullshard import Fabric\n"
+        "Fabric(accelerator='cpu', devices=2).launch()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "fullshard run --nproc-per-node" in proc.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "getppid"), reason="needs getppid")
+def test_children_exit_when_rank0_is_sigkilled(tmp_path: Path) -> None:
+    out = _launch_and_kill(tmp_path, "fabric", 0, "sigkill")
+    assert "the launching process (local rank 0" in out or "Connection" in out
