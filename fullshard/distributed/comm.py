@@ -33,7 +33,8 @@ references to them, which is what keeps NCCL's buffers valid without `record_str
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,26 +160,52 @@ def _use_pairwise(group: Group) -> bool:
     return group.backend == "gloo"
 
 
+def gathers_segments(group: Group) -> bool:
+    """Whether `all_gather(..., segments=...)` can land data parameter-major by itself."""
+    return group.size > 1 and _use_pairwise(group)
+
+
 def all_gather(
-    output: torch.Tensor, input: torch.Tensor, group: Group, *, async_op: bool = False
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Group,
+    *,
+    async_op: bool = False,
+    segments: Sequence[int] | None = None,
 ) -> CommHandle:
-    """Gather every rank's `input` into `output` (rank-major, `group.size * input.numel()`)."""
+    """Gather every rank's `input` into `output` (`group.size * input.numel()` elements).
+
+    Without `segments` the output is rank-major: rank r's input at `[r*n, (r+1)*n)`. With
+    `segments` (sizes that split `input` into consecutive pieces, e.g. one per parameter;
+    only where `gathers_segments(group)`), the output is *segment-major*: piece j of every
+    rank, in rank order, then piece j+1 -- each parameter's rows contiguous, straight from
+    the wire with no copy-out. That costs one message per piece and peer instead of one per
+    peer; on gloo that is cheaper than copying the whole output once more.
+    """
     if group.size == 1:
         output.copy_(input.reshape(output.shape))
         return _DONE
     n = _nbytes(output)
     _COUNTERS.add("all_gather", n, n * (group.size - 1) / group.size)
     if _use_pairwise(group):
-        rows = output.view(group.size, -1)
-        rows[group.rank].copy_(input.reshape(-1))
-        tag, works = _next_tag(group), []
-        for step in range(1, group.size):
-            dst = (group.rank + step) % group.size
-            src = (group.rank - step) % group.size
-            works.append(dist.isend(input, group.ranks[dst], group=group.pg, tag=tag))
-            works.append(dist.irecv(rows[src], group.ranks[src], group=group.pg, tag=tag))
+        size, rank = group.size, group.rank
+        flat_in, flat_out = input.reshape(-1), output.view(-1)
+        pieces = list(segments) if segments is not None else [flat_in.numel()]
+        works, start = [], 0
+        for piece in pieces:
+            mine = flat_in[start : start + piece]
+            slots = flat_out[size * start : size * (start + piece)].view(size, piece)
+            slots[rank].copy_(mine)
+            tag = _next_tag(group)
+            for step in range(1, size):
+                dst, src = (rank + step) % size, (rank - step) % size
+                works.append(dist.isend(mine, group.ranks[dst], group=group.pg, tag=tag))
+                works.append(dist.irecv(slots[src], group.ranks[src], group=group.pg, tag=tag))
+            start += piece
         handle = CommHandle(works, refs=(output, input))
     else:
+        if segments is not None and len(segments) > 1:
+            raise ValueError("segment-major all-gather needs gathers_segments(group)")
         work = _all_gather_into(output, input, group=group.pg, async_op=async_op)
         handle = CommHandle(work, refs=(output, input)) if async_op else _DONE
     if not async_op:
@@ -315,3 +342,56 @@ def broadcast_pickled(
     if is_src:
         return obj
     return pickle.loads(bytes(data.cpu().tolist()))
+
+
+_RENDEZVOUS_SEQ: dict[str, int] = {}
+
+
+def rendezvous(
+    name: str,
+    *,
+    timeout: float,
+    warn_after: float | None = None,
+    on_slow: Callable[[list[int]], None] | None = None,
+) -> None:
+    """Wait until every rank of the default group has called `rendezvous(name)` as often as
+    this one -- through the process group's key-value store, not a collective.
+
+    It guards calls that are collective but easy to make on one rank only (`if rank == 0:
+    save(...)`): a collective would hang there until the group's timeout, or pair with the
+    other ranks' next unrelated collective. Here nothing is sent on the group, so a missing
+    rank only costs the wait: after `warn_after` seconds `on_slow(missing_ranks)` is called
+    once (to warn), after `timeout` seconds a `TimeoutError` names the ranks that never came,
+    and this call is forgotten (the next one pairs with the other ranks' first).
+    Not counted in `comm_stats()`: it moves no tensor over the group.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    seq = _RENDEZVOUS_SEQ.get(name, 0) + 1
+    prefix = f"fullshard/rendezvous/{name}/{seq}/"
+    store.set(f"{prefix}{rank}", b"1")
+    start = time.monotonic()
+    pending = [r for r in range(size) if r != rank]
+    warned, pause = False, 0.001
+    while pending:
+        pending = [r for r in pending if not store.check([f"{prefix}{r}"])]
+        if not pending:
+            break
+        waited = time.monotonic() - start
+        if not warned and warn_after is not None and waited >= warn_after and on_slow:
+            warned = True
+            on_slow(pending)
+        if waited >= timeout:
+            store.delete_key(f"{prefix}{rank}")
+            raise TimeoutError(
+                f"rank {rank} waited {waited:.0f}s in {name!r} for rank(s) "
+                f"{', '.join(map(str, pending))}, which never called it. {name!r} is "
+                f"collective: every rank must call it (do not wrap it in `if rank == 0:`)."
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+    _RENDEZVOUS_SEQ[name] = seq

@@ -9,7 +9,10 @@ Memory layout (S = shard-axis size, L = sum of the params' padded shard sizes):
     unsharded    (S*L,)   *parameter-major*: each parameter's S*c padded rows contiguous, so the
                           tensors handed to modules are plain views of one buffer we track
                           (see the ZeRO-3 note in hooks.py). With one parameter per bucket the
-                          two layouts coincide and the gather output is used as is; with S == 1
+                          two layouts coincide, and where the collective can land each piece in
+                          place (gloo's pairwise exchange, comm.gathers_segments) the gather
+                          output is parameter-major already: no copy-out, no second buffer.
+                          Otherwise (NCCL) one `split_with_sizes_copy` reorders it. With S == 1
                           nothing is gathered and the shards themselves are the unsharded data.
     reduce input (S*L,)   rank-major again, built from the unsharded gradients with zero padding
                           (`torch._chunk_cat`), reduced over the shard axis into
@@ -73,6 +76,7 @@ class Bucket:
         self.shard_flat = torch.zeros(offset, dtype=dtype, device=host, pin_memory=pin)
         self._gather_out: torch.Tensor | None = None
         self._gather_handle: CommHandle | None = None
+        self._segmented = False  # the gather output is already parameter-major
         self.unsharded: torch.Tensor | None = None
         self.accumulated_grad: torch.Tensor | None = None  # no_sync, rank-major
 
@@ -111,7 +115,14 @@ class Bucket:
         n = self.numel * self.shard_size
         out = track(torch.empty(n, dtype=self.compute_dtype, device=self.device), "param")
         self._gather_out = out  # the handle keeps `send` alive until the gather completes
-        self._gather_handle = comm.all_gather(out, send, self.mesh.shard, async_op=async_op)
+        # Where the collective can place each parameter's rows itself, ask for that layout.
+        segments = None
+        if len(self.params) > 1 and comm.gathers_segments(self.mesh.shard):
+            segments = [p.layout.padded_shard_numel for p in self.params]
+        self._segmented = segments is not None
+        self._gather_handle = comm.all_gather(
+            out, send, self.mesh.shard, async_op=async_op, segments=segments
+        )
 
     def finish_gather(self) -> torch.Tensor:
         if self.unsharded is not None:
@@ -123,7 +134,7 @@ class Bucket:
         assert self._gather_handle is not None and self._gather_out is not None
         self._gather_handle.wait()
         out, self._gather_out, self._gather_handle = self._gather_out, None, None
-        if len(self.params) == 1:
+        if len(self.params) == 1 or self._segmented:
             self.unsharded = out
             return out
         s = self.shard_size
