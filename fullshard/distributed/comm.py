@@ -25,9 +25,20 @@ collectives, which already are optimal.
 A group of size 1 communicates nothing: those calls become local copies and are not counted.
 
 Asynchronous calls return a `CommHandle`; its `wait()` blocks until the data is in place (for
-the gloo reduce-scatter that includes copying our chunk out). Until `wait()` returns, the
-caller must keep the input and output tensors alive and untouched -- the handle holds
-references to them, which is what keeps NCCL's buffers valid without `record_stream`.
+the gloo reduce-scatter that includes summing our chunk). Until `wait()` returns, the caller
+must keep the input and output tensors alive and untouched; the handle holds references to
+them until then.
+
+[Note: CUDA streams]
+With NCCL every asynchronous collective runs on the process group's own stream, which first
+waits for the work already queued on the current (compute) stream -- so a buffer filled on
+the compute stream (the cast/offloaded all-gather input, the packed gradients) is complete
+before NCCL reads it -- and `wait()` makes the compute stream wait for the collective, so
+kernels queued after it see the result. Memory crosses streams safely without
+`record_stream`: every buffer is allocated on the compute stream and the handle keeps it
+referenced until `wait()` has ordered the compute stream after the collective; only then can
+the caching allocator hand the block out again, to work that is queued after the collective.
+Gathers for the next unit and reductions of the previous one thus overlap compute.
 """
 
 from __future__ import annotations
