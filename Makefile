@@ -1,7 +1,7 @@
 # fullshard developer tasks.
 #
 #   make test                 create .venv (torch pinned by TORCH), lint, run the tests
-#   make demo                 run examples/train_fsdp.py (it launches its own 2 ranks)
+#   make demo                 fullshard demo: train a small GPT on 2 CPU ranks (FULL_SHARD)
 #   make demo TORCH=          bring your own torch: with TORCH empty the venv is created
 #                             with --system-site-packages so an installed torch is used
 #   make test VENV=/tmp/v     use another venv location
@@ -22,7 +22,7 @@ STAMP := $(VENV)/.fullshard-stamp
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	@test -x $(VPY) || $(PYTHON) -m venv $(if $(TORCH),,--system-site-packages) $(VENV)
 	@if ! $(VPY) -c "import torch" 2>/dev/null; then \
 	  if [ -z "$(TORCH)" ]; then \
@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml
 	  $(PIP) "$(TORCH)"; \
 	fi
 	@$(VPY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/.torch-pin
-	$(PIP) --constraint $(VENV)/.torch-pin -e ".[test,progress]"
+	$(PIP) --constraint $(VENV)/.torch-pin -e ".[test,progress,plot]"
 	@touch $@
 
 test: venv
@@ -43,7 +43,7 @@ lint: venv
 	$(VENV)/bin/ruff check .
 
 demo: venv
-	$(VPY) examples/train_fsdp.py
+	$(VENV)/bin/fullshard demo
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .hypothesis

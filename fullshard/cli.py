@@ -3,8 +3,12 @@
     fullshard run [--nproc-per-node N] [--nnodes M --node-rank K --master-addr A
                   --master-port P] script.py [script args...]
 
+    fullshard consolidate CKPT_DIR OUT
+
 `run` starts a script on many processes through torch's elastic launcher (see
-`fullshard.launch.torchrun`). To add a subcommand, write `_add_<name>` registering its parser
+`fullshard.launch.torchrun`). `consolidate` turns a sharded checkpoint into one full file
+(`fullshard.checkpoint.consolidate`), in this process, without a process group.
+To add a subcommand, write `_add_<name>` registering its parser
 with `set_defaults(handler=...)`, and call it from `build_parser`.
 """
 
@@ -92,6 +96,49 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return run_with_torchrun(argv)
 
 
+_CONSOLIDATE_EPILOG = """\
+examples:
+  fullshard consolidate runs/ckpt-1000 runs/ckpt-1000.pt           # everything, torch.save
+  fullshard consolidate runs/ckpt-1000 model.safetensors            # model weights only
+
+The .pt file is what save_checkpoint(..., state_dict_type='full') writes: torch.load it and
+model.load_state_dict(ckpt['model']) into the unwrapped model, or load_checkpoint it anywhere.
+"""
+
+
+def _add_consolidate(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "consolidate",
+        help="turn a sharded checkpoint into one full file (no process group needed)",
+        description="Turn a sharded checkpoint directory into one full checkpoint file: a "
+        "torch.save file (model, optimizer keyed by parameter name, the rest of the state), "
+        "or, for OUT ending in .safetensors, the model weights in safetensors format.",
+        epilog=_CONSOLIDATE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("ckpt_dir", metavar="CKPT_DIR", help="the sharded checkpoint directory")
+    p.add_argument("out", metavar="OUT", help="the file to write (.safetensors: weights only)")
+    p.set_defaults(handler=_consolidate)
+
+
+def _consolidate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from fullshard.checkpoint import CheckpointError, consolidate
+
+    try:
+        out = consolidate(args.ckpt_dir, args.out)
+    except (ValueError, CheckpointError, IsADirectoryError, ImportError) as e:
+        print(f"fullshard consolidate: error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
+def _add_demo(subparsers: argparse._SubParsersAction) -> None:
+    from fullshard.demo import add_parser
+
+    add_parser(subparsers)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fullshard",
@@ -100,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
     _add_run(subparsers)
+    _add_consolidate(subparsers)
+    _add_demo(subparsers)
     return parser
 
 

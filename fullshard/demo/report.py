@@ -1,0 +1,105 @@
+"""The demo's closing report (text) and figure (PNG, when matplotlib is installed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fullshard.demo.train import DemoResult
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
+
+
+def planner_prediction(result: DemoResult) -> int | None:
+    """Per-rank model-state bytes the planner predicts for this run, if it is available."""
+    try:
+        from fullshard.plan import plan
+    except ImportError:
+        return None
+    from fullshard.demo.train import build_model
+
+    cfg = result.config
+    try:
+        table = plan(
+            lambda: build_model(cfg),
+            world_sizes=(result.world_size,),
+            strategies=(cfg.strategy,),
+            optimizer="adamw",
+            bucketing=cfg.bucketing,
+        )
+        row = table.rows[0]
+        return int(row.param_bytes + row.grad_bytes + row.optimizer_bytes)
+    except Exception:  # noqa: BLE001 - the report must not fail on the planner
+        return None
+
+
+def format_report(result: DemoResult, figure: str | None) -> str:
+    cfg = result.config
+    steps = len(result.losses) - result.first_step
+    per_step = result.seconds / max(steps, 1)
+    tokens = cfg.batch * cfg.seq / per_step
+    single = 16 * result.params  # fp32 params + grads + AdamW's two moments, one process
+    lines = [
+        "",
+        f"fullshard demo: {result.world_size} ranks on {result.device}, {cfg.strategy}, "
+        f"bucketing {cfg.bucketing}, precision {cfg.precision}",
+        f"model: byte-level GPT, {result.params / 1e6:.2f}M parameters ({cfg.layers} blocks, "
+        f"width {cfg.dim}), batch {cfg.batch} x {cfg.seq} bytes, AdamW lr {cfg.lr}",
+        f"steps {result.first_step} -> {len(result.losses)} in {result.seconds:.1f} s "
+        f"({per_step * 1e3:.0f} ms/step, {tokens:,.0f} tokens/s)",
+        f"loss: {result.losses[result.first_step]:.3f} (first step of this run) -> "
+        f"{result.losses[-1]:.3f} (last)"
+        + (f"; {result.losses[0]:.3f} at step 0" if result.first_step else ""),
+        "",
+        "sample (temperature 0.8):",
+        "  " + result.sample.replace("\n", "\n  "),
+        "",
+        "model state per rank (parameters + gradients + AdamW state):",
+    ]
+    for rank, nbytes in enumerate(result.state_bytes_per_rank):
+        lines.append(f"  rank {rank}: {_mb(nbytes)} ({nbytes / single:.2f} of one process)")
+    lines.append(f"  one process: {_mb(single)} (16 bytes x {result.params:,} parameters)")
+    predicted = planner_prediction(result)
+    if predicted is not None:
+        lines.append(f"  planner predicted per rank: {_mb(predicted)}")
+    lines.append(f"  peak unsharded working set in a step: {_mb(result.peak_unsharded_bytes)}")
+    lines.append("communication per step (this rank):")
+    for kind, stats in result.comm_per_step.items():
+        if stats["calls"]:
+            lines.append(
+                f"  {kind:<15} {stats['calls']:4d} calls  {_mb(stats['bytes'])} "
+                f"(sent {_mb(stats['wire_bytes'])})"
+            )
+    lines.append(f"checkpoint: {result.checkpoint} (sharded; continue with --resume)")
+    lines.append(f"figure: {figure}" if figure else "figure: skipped (pip install matplotlib)")
+    return "\n".join(lines)
+
+
+def write_figure(result: DemoResult, path: Path) -> str | None:
+    """Loss curve and per-rank model state; None when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (ax_loss, ax_mem) = plt.subplots(1, 2, figsize=(10, 3.8))
+    ax_loss.plot(range(len(result.losses)), result.losses, lw=1.2)
+    if result.first_step:
+        ax_loss.axvline(result.first_step, color="grey", ls="--", lw=0.8, label="resumed")
+        ax_loss.legend()
+    ax_loss.set(xlabel="step", ylabel="loss (mean over ranks)", title="training loss")
+    names = [f"rank {r}" for r in range(len(result.state_bytes_per_rank))] + ["one process"]
+    values = [b / 2**20 for b in result.state_bytes_per_rank] + [16 * result.params / 2**20]
+    colors = ["tab:blue"] * len(result.state_bytes_per_rank) + ["tab:grey"]
+    ax_mem.bar(names, values, color=colors)
+    ax_mem.set(ylabel="MiB", title="model state (params + grads + AdamW)")
+    fig.suptitle(
+        f"fullshard {result.config.strategy}, {result.world_size} ranks", fontsize=10
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)

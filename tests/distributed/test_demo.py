@@ -1,0 +1,54 @@
+"""`fullshard demo` end to end on 2 processes, its resume, and its option errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _demo(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "fullshard", "demo", *args],
+        capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,
+    )
+
+
+def test_demo_trains_saves_plots_and_resumes(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    first = _demo("--steps", "6", "--out", str(out))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "steps 0 -> 6" in first.stdout
+    assert "model state per rank" in first.stdout and "rank 1:" in first.stdout
+    assert (out / "checkpoint").exists()
+    try:
+        import matplotlib  # noqa: F401
+
+        assert (out / "demo.png").stat().st_size > 0
+    except ImportError:
+        assert "figure: skipped" in first.stdout
+
+    resumed = _demo("--steps", "4", "--out", str(out), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "steps 6 -> 10" in resumed.stdout  # continued from the saved step
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--strategy", "HALF_SHARD"], "Unknown sharding strategy 'HALF_SHARD'"),
+        (["--nproc", "0"], "--nproc must be >= 1, got 0"),
+        (["--bucketing", "ROW"], "Unknown bucketing strategy 'ROW'"),
+        (["--out", "/proc/fullshard-demo"], "is not writable"),
+    ],
+)
+def test_demo_bad_options_fail_fast(args: list[str], message: str) -> None:
+    result = _demo(*args, timeout=60)
+    assert result.returncode != 0
+    assert message in result.stderr
