@@ -53,17 +53,18 @@ def materialize_unit(
     refs_by_param: dict[int, list[tuple[nn.Module, str]]] = {}
     for o in owned:
         refs_by_param[id(o.current)] = o.refs
-    for module in _unit_modules(unit_module, unit_ids):
-        if not _has_meta(module):
-            continue
-        reset = getattr(module, "reset_parameters", None)
-        if not callable(reset):
+    # Decide which modules to reset before materializing anything: materializing a tied
+    # parameter for its first holder must not make a later holder look already initialized.
+    to_reset = [m for m in _unit_modules(unit_module, unit_ids) if _has_meta(m)]
+    for module in to_reset:
+        if not callable(getattr(module, "reset_parameters", None)):
             raise TypeError(
                 f"Module {names.get(id(module)) or '<root>'!r} ({type(module).__name__}) has "
                 f"tensors on the meta device but no reset_parameters() to initialize them. "
                 f"Implement reset_parameters() (initializing only its own parameters and "
                 f"buffers, not its children's), or build the model on a real device."
             )
+    for module in to_reset:
         for name, p in list(module._parameters.items()):
             if p is None or not p.is_meta:
                 continue
@@ -73,7 +74,8 @@ def materialize_unit(
         for name, b in list(module._buffers.items()):
             if b is not None and b.is_meta:
                 module._buffers[name] = torch.empty_like(b, device=device)
-        reset()
+    for module in to_reset:
+        module.reset_parameters()
     still_meta = [o.name for o in owned if o.current.is_meta]
     if still_meta:
         raise ValueError(
