@@ -19,22 +19,27 @@ from fullshard.distributed.comm import comm_stats, reset_comm_stats
 from fullshard.engine.full_state import full_state_dict, load_full_state_dict
 from fullshard.engine.memory import memory_stats, reset_memory_stats
 from fullshard.engine.module import FullyShardedModule
+from fullshard.planner import PlanTable, plan
 
 __all__ = [
+    "CPUOffload",
     "FSDPBucketingStrategy",
+    "FSDPStrategy",
     "FSDPType",
+    "Fabric",
     "FullyShardedModule",
+    "MixedPrecision",
+    "PlanTable",
     "ShardingStrategy",
     "comm_stats",
     "fsdp",
     "full_state_dict",
     "load_full_state_dict",
     "memory_stats",
+    "plan",
     "reset_comm_stats",
     "reset_memory_stats",
+    "seed_everything",
 ]
-
-# The Fabric-style front (issue 3).
-__all__ += ["CPUOffload", "FSDPStrategy", "Fabric", "MixedPrecision", "seed_everything"]
 
 __version__ = "0.1.0"

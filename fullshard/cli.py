@@ -139,6 +139,12 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     add_parser(subparsers)
 
 
+def _add_plan(subparsers: argparse._SubParsersAction) -> None:
+    from fullshard.planner.command import add_plan_parser
+
+    add_plan_parser(subparsers)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fullshard",
@@ -149,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run(subparsers)
     _add_consolidate(subparsers)
     _add_demo(subparsers)
+    _add_plan(subparsers)
     return parser
 
 

@@ -11,27 +11,23 @@ def _mb(nbytes: float) -> str:
     return f"{nbytes / 2**20:.2f} MiB"
 
 
-def planner_prediction(result: DemoResult) -> int | None:
-    """Per-rank model-state bytes the planner predicts for this run, if it is available."""
-    try:
-        from fullshard.plan import plan
-    except ImportError:
-        return None
+def planner_prediction(result: DemoResult) -> tuple[int, int]:
+    """(model-state bytes, unsharded working-set bytes) per rank that `fullshard.plan`
+    predicts for this run."""
+    from fullshard import plan
     from fullshard.demo.train import build_model
 
     cfg = result.config
-    try:
-        table = plan(
-            lambda: build_model(cfg),
-            world_sizes=(result.world_size,),
-            strategies=(cfg.strategy,),
-            optimizer="adamw",
-            bucketing=cfg.bucketing,
-        )
-        row = table.rows[0]
-        return int(row.param_bytes + row.grad_bytes + row.optimizer_bytes)
-    except Exception:  # noqa: BLE001 - the report must not fail on the planner
-        return None
+    table = plan(
+        lambda: build_model(cfg),
+        world_sizes=(result.world_size,),
+        strategies=(cfg.strategy,),
+        optimizer="adamw",
+        bucketing=cfg.bucketing,
+        backend="nccl" if result.device.startswith("cuda") else "gloo",
+    )
+    row = table.rows[0]
+    return row.model_state_bytes, row.working_set_bytes
 
 
 def format_report(result: DemoResult, figure: str | None) -> str:
@@ -60,10 +56,12 @@ def format_report(result: DemoResult, figure: str | None) -> str:
     for rank, nbytes in enumerate(result.state_bytes_per_rank):
         lines.append(f"  rank {rank}: {_mb(nbytes)} ({nbytes / single:.2f} of one process)")
     lines.append(f"  one process: {_mb(single)} (16 bytes x {result.params:,} parameters)")
-    predicted = planner_prediction(result)
-    if predicted is not None:
-        lines.append(f"  planner predicted per rank: {_mb(predicted)}")
-    lines.append(f"  peak unsharded working set in a step: {_mb(result.peak_unsharded_bytes)}")
+    state, working = planner_prediction(result)
+    lines.append(f"  `fullshard plan` predicted: {_mb(state)} per rank")
+    lines.append(
+        f"  peak unsharded working set in a step: {_mb(result.peak_unsharded_bytes)} "
+        f"(predicted {_mb(working)})"
+    )
     lines.append("communication per step (this rank):")
     for kind, stats in result.comm_per_step.items():
         if stats["calls"]:

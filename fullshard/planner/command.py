@@ -1,0 +1,108 @@
+"""The `fullshard plan` subcommand: argument parsing around `fullshard.plan()`.
+
+`fullshard.cli` calls `add_plan_parser(subparsers)`; everything else lives here. Nothing heavy
+is imported until the command runs, so `fullshard --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+
+_EPILOG = """\
+MODEL is a built-in config (tiny, demo, llama-7b, llama-13b, llama-70b) or
+package.module:factory, a callable returning an nn.Module; it is built on the meta device, so
+nothing is allocated (a 70B model plans in seconds).
+
+examples:
+  fullshard plan llama-7b --world-sizes 8,16,32 --precision bf16-mixed --budget 80GiB
+  fullshard plan llama-70b --batch 1 --seq 4096 --budget 80GiB --world-sizes 8,16,32,64
+  fullshard plan mypkg.models:build_model --wrap MyBlock --optimizer sgd-momentum
+
+All numbers are per rank. state = parameters + gradients + optimizer state (exact, padding
+included); working = unsharded parameters and gradients in flight (from the actual units,
+bucketing and prefetch); comm/step = bytes each rank sends per training step. The
+recommendation is the configuration that fits --budget and communicates least.
+"""
+
+
+def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="per-rank memory and communication of a model for each strategy and world size",
+        description="Plan a model's memory per rank and communication per step for each "
+        "sharding strategy and world size, and recommend the cheapest that fits.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", metavar="MODEL", help="built-in config or package.module:factory")
+    p.add_argument("--world-sizes", default="1,2,4,8", metavar="N,N,...",
+                   help="numbers of ranks to plan for (default: 1,2,4,8)")
+    p.add_argument("--strategies", default=None, metavar="S,S,...",
+                   help="FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD (default: all)")
+    p.add_argument("--precision", default="32-true",
+                   help="32-true, bf16-mixed, 16-mixed, bf16-true, 16-true (default: 32-true)")
+    p.add_argument("--optimizer", default="adamw",
+                   choices=("adamw", "adam", "sgd", "sgd-momentum"),
+                   help="optimizer state to count (default: adamw)")
+    p.add_argument("--batch", type=int, default=None, metavar="B",
+                   help="per-rank micro-batch, for the activation estimate (with --seq)")
+    p.add_argument("--seq", type=int, default=None, metavar="S",
+                   help="sequence length, for the activation estimate (with --batch)")
+    p.add_argument("--budget", default=None, metavar="BYTES",
+                   help="memory per rank, e.g. 80GiB, 24GB, 512MiB")
+    p.add_argument("--bucketing", default="BLOCK", help="NONE, LAYER or BLOCK (default: BLOCK)")
+    p.add_argument("--prefetch-limit", type=int, default=1, metavar="K",
+                   help="units gathered ahead, as fsdp(prefetch_limit=) (default: 1)")
+    p.add_argument("--wrap", default=None, metavar="CLASS,...",
+                   help="module class names that become units (default: the config's block, "
+                   "else a guess)")
+    p.add_argument("--backend", default="nccl", choices=("nccl", "gloo"),
+                   help="collective backend (default: nccl)")
+    p.add_argument("--ranks-per-node", type=int, default=8, metavar="K",
+                   help="shard size of HYBRID_SHARD (default: 8)")
+    p.add_argument("--attention", default="flash", choices=("flash", "math"),
+                   help="count attention activations as fused kernels save them, or the "
+                   "math kernel's seq x seq matrix (default: flash)")
+    p.add_argument("--json", action="store_true", help="print the table as JSON")
+    p.set_defaults(handler=_handler(p))
+
+
+def _split(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _handler(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace, object], int]:
+    def run(args: argparse.Namespace, parser: object) -> int:
+        from fullshard.planner.api import plan
+
+        try:
+            sizes = [int(t) for t in _split(args.world_sizes) or []]
+        except ValueError:
+            p.error(f"--world-sizes must be comma-separated integers, got {args.world_sizes!r}")
+        try:
+            table = plan(
+                args.model,
+                world_sizes=sizes,
+                strategies=_split(args.strategies),
+                precision=args.precision,
+                optimizer=args.optimizer,
+                batch=args.batch,
+                seq=args.seq,
+                auto_wrap_policy=_split(args.wrap),
+                bucketing=args.bucketing,
+                prefetch_limit=args.prefetch_limit,
+                budget=args.budget,
+                backend=args.backend,
+                ranks_per_node=args.ranks_per_node,
+                attention=args.attention,
+            )
+        except (ValueError, TypeError) as e:
+            p.error(str(e))
+        print(json.dumps(table.to_dict(), indent=2) if args.json else table.render())
+        return 0
+
+    return run

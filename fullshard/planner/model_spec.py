@@ -1,0 +1,202 @@
+"""What model the planner looks at: a built-in config name, `package.module:factory`, a
+factory callable or a module, turned into an `nn.Module` (on the meta device when we build it)
+plus the wrap policy that chooses its units.
+
+Built-in configs (`BUILTIN_CONFIGS`), each wrapped per transformer block:
+
+| name        | model                                        | params (Psi) |
+|-------------|----------------------------------------------|--------------|
+| `tiny`      | `TinyGPT()` of `fullshard.testing.models`     | ~7.6 K       |
+| `demo`      | `TinyGPT` with `DEMO_CONFIG` (bytes vocab)    | ~0.83 M      |
+| `llama-7b`  | Llama: 32 x 4096, SwiGLU 11008, vocab 32000   | 6.74 B       |
+| `llama-13b` | Llama: 40 x 5120, SwiGLU 13824, vocab 32000   | 13.0 B       |
+| `llama-70b` | Llama: 80 x 8192, GQA 8 kv heads, SwiGLU 28672| 69.0 B       |
+
+A wrap policy may also be given as class names (`["LlamaBlock"]`, the CLI's `--wrap`).
+Factories are called under `torch.device("meta")`, so nothing is allocated however large the
+model. Without an explicit policy a model that is not built in is wrapped by a guess: the
+classes named in its `_no_split_modules` (the Hugging Face convention), else the class of the
+blocks of its largest `nn.ModuleList` of same-class children, else the root alone.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fullshard.planner.models import Llama, LlamaConfig
+
+DEMO_CONFIG = {"vocab": 256, "dim": 128, "layers": 4, "heads": 4, "seq": 64}
+"""The `demo` config: the byte-level GPT `fullshard demo` trains (`TinyGPT` keyword arguments,
+the defaults of `fullshard.demo.train.DemoConfig`)."""
+
+
+def build_demo_model(**overrides: int) -> nn.Module:
+    """The `demo` model (`TinyGPT(**DEMO_CONFIG)`, any field overridable), on the current
+    default device."""
+    from fullshard.testing.models import TinyGPT
+
+    unknown = set(overrides) - set(DEMO_CONFIG)
+    if unknown:
+        raise ValueError(f"Unknown demo config field(s) {sorted(unknown)}; "
+                         f"valid: {sorted(DEMO_CONFIG)}")
+    return TinyGPT(**{**DEMO_CONFIG, **overrides})
+
+
+def _tiny() -> nn.Module:
+    from fullshard.testing.models import TinyGPT
+
+    return TinyGPT()
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    description: str
+    build: Callable[[], nn.Module]
+    unit_classes: tuple[str, ...]
+    """Class names of the units (the transformer block)."""
+
+
+BUILTIN_CONFIGS: dict[str, ModelConfig] = {
+    c.name: c
+    for c in (
+        ModelConfig("tiny", "TinyGPT (vocab 37, dim 16, 2 layers, tied head)", _tiny,
+                    ("Block",)),
+        ModelConfig("demo", "GPT, byte vocab 256, dim 128, 4 layers, seq 64, tied head",
+                    build_demo_model, ("Block",)),
+        ModelConfig("llama-7b", "Llama 32 x 4096, SwiGLU 11008, vocab 32000",
+                    lambda: Llama(LlamaConfig()), ("LlamaBlock",)),
+        ModelConfig("llama-13b", "Llama 40 x 5120, SwiGLU 13824, vocab 32000",
+                    lambda: Llama(LlamaConfig(dim=5120, layers=40, heads=40, kv_heads=40,
+                                              ffn=13824)), ("LlamaBlock",)),
+        ModelConfig("llama-70b", "Llama 80 x 8192, GQA (8 kv heads), SwiGLU 28672, vocab 32000",
+                    lambda: Llama(LlamaConfig(dim=8192, layers=80, heads=64, kv_heads=8,
+                                              ffn=28672)), ("LlamaBlock",)),
+    )
+}
+
+
+@dataclass
+class ResolvedModel:
+    name: str
+    module: nn.Module
+    policy: object
+    """The wrap policy the planner uses (what `fsdp(auto_wrap_policy=...)` would get)."""
+    policy_source: str
+    """How the policy was chosen, for the table's header."""
+    built_here: bool
+    """True when the planner built `module` itself (on meta): it may change it freely."""
+
+
+def resolve_model(model: object, auto_wrap_policy: object = None) -> ResolvedModel:
+    """Turn what the user passed into a module and a wrap policy."""
+    if isinstance(model, nn.Module):
+        name, module, built, block_names = type(model).__name__, model, False, None
+    elif isinstance(model, str):
+        key = model.strip()
+        if key.lower() in BUILTIN_CONFIGS:
+            cfg = BUILTIN_CONFIGS[key.lower()]
+            name, module, built = cfg.name, _on_meta(cfg.build, cfg.name), True
+            block_names = list(cfg.unit_classes)
+        elif ":" in key:
+            name, module, built, block_names = key, _on_meta(load_factory(key), key), True, None
+        else:
+            raise ValueError(
+                f"Unknown model {model!r}: not a built-in config "
+                f"({', '.join(BUILTIN_CONFIGS)}) and not 'package.module:factory'."
+            )
+    elif callable(model):
+        name = getattr(model, "__qualname__", type(model).__name__)
+        module, built, block_names = _on_meta(model, name), True, None
+    else:
+        raise TypeError(
+            f"plan() expects an nn.Module, a factory callable, a built-in config name or "
+            f"'package.module:factory'; got {type(model).__name__}: {model!r}"
+        )
+    if _is_names(auto_wrap_policy):
+        classes = _classes_named(module, auto_wrap_policy)  # type: ignore[arg-type]
+        return ResolvedModel(name, module, classes, _names(classes), built)
+    if auto_wrap_policy is not None:
+        return ResolvedModel(name, module, auto_wrap_policy, "given", built)
+    if block_names is not None:
+        classes = _classes_named(module, block_names)
+        return ResolvedModel(name, module, classes, _names(classes), built)
+    policy, source = infer_policy(module)
+    return ResolvedModel(name, module, policy, source, built)
+
+
+def load_factory(spec: str) -> Callable[[], nn.Module]:
+    """`package.module:factory` (the factory may be a dotted attribute path) -> the callable."""
+    mod_name, _, attr = spec.partition(":")
+    if not mod_name or not attr:
+        raise ValueError(f"Bad factory path {spec!r}: expected 'package.module:factory'.")
+    try:
+        obj: object = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ValueError(f"Bad factory path {spec!r}: cannot import module {mod_name!r} "
+                         f"({e}).") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"Bad factory path {spec!r}: module {mod_name!r} has no "
+                             f"attribute {attr!r}.")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"Bad factory path {spec!r}: {attr!r} is a "
+                         f"{type(obj).__name__}, not a callable returning an nn.Module.")
+    return obj  # type: ignore[return-value]
+
+
+def _on_meta(factory: Callable[[], object], name: str) -> nn.Module:
+    with torch.device("meta"):
+        module = factory()
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"The factory for {name!r} returned a {type(module).__name__}, "
+                        f"not an nn.Module.")
+    return module
+
+
+def infer_policy(model: nn.Module) -> tuple[object, str]:
+    """A wrap policy for a model we know nothing about (see the module docstring)."""
+    wanted = set(getattr(model, "_no_split_modules", None) or ())
+    if wanted:
+        classes = {type(m) for m in model.modules() if type(m).__name__ in wanted}
+        if classes:
+            return classes, f"{_names(classes)} (from _no_split_modules)"
+    best: tuple[int, type[nn.Module]] | None = None
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList) and len(m) > 1:
+            kinds = {type(c) for c in m}
+            if len(kinds) == 1:
+                numel = sum(p.numel() for p in m.parameters())
+                if numel > 0 and (best is None or numel > best[0]):
+                    best = (numel, kinds.pop())
+    if best is not None:
+        return {best[1]}, f"{best[1].__name__} (guessed: blocks of the largest ModuleList)"
+    return None, "root only (no repeated blocks found; pass auto_wrap_policy)"
+
+
+def _is_names(policy: object) -> bool:
+    return isinstance(policy, list | tuple | set | frozenset) and bool(policy) and all(
+        isinstance(x, str) for x in policy
+    )
+
+
+def _classes_named(model: nn.Module, names: list[str]) -> set[type[nn.Module]]:
+    """Wrap policy given by class names (the CLI's --wrap): the model's classes so named."""
+    present = {type(m).__name__: type(m) for m in model.modules()}
+    missing = [n for n in names if n not in present]
+    if missing:
+        raise ValueError(
+            f"No module class named {', '.join(map(repr, missing))} in "
+            f"{type(model).__name__}; its classes are: {', '.join(sorted(present))}."
+        )
+    return {present[n] for n in names}
+
+
+def _names(classes: object) -> str:
+    return ", ".join(sorted(c.__name__ for c in classes))  # type: ignore[attr-defined]

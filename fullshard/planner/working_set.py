@@ -1,0 +1,221 @@
+"""The transient unsharded working set: a replay of the engine's step schedule over buffer sizes.
+
+What is counted is exactly what the engine counts in `memory_stats()` (`engine/memory.py`):
+every buffer `engine/bucket.py` allocates beyond the shards and the `.grad` storage, from its
+allocation until it is freed. Per bucket, with `L` its padded flat shard on `S` shard ranks
+and `c` / `r` the compute / reduce dtype sizes:
+
+    gathered   S * L * c   the all-gather output the modules compute with (S == 1: the shard
+                           itself, counted only when cast to another dtype, then L * c)
+    send       L * c       the shard cast to the compute dtype (mixed precision), alive until
+                           its all-gather has completed
+    copy-out   S * L * c   NCCL only, buckets of several parameters: the rank-major output and
+                           its parameter-major copy coexist for a moment (gloo lands each
+                           parameter's rows in place, so there is none)
+    reduce     S * L * r   the packed gradients a reduce-scatter sends (trainable, S > 1; with
+                           S == 1 the packed gradients become the `.grad` storage itself)
+
+The replay follows `engine/hooks.py` for one step, in the unit order root, blocks...:
+
+forward   pre-hook of each unit: start its gather, prefetch the next `prefetch_limit` units
+          (the order recorded on the previous step; none on the first step), wait. Post-hook:
+          ZeRO-3 releases the unit, ZeRO-2 keeps it. The root's post-hook runs last.
+backward  ZeRO-3 (with S > 1): the root is gathered again first (the LM head is the last op of
+          forward), then each block in reverse, each gather prefetching the next
+          `prefetch_limit` in the recorded backward order. When a unit's gradients are
+          complete its buckets are packed and their reductions issued; at most
+          `max_pending_reductions` stay in flight, so the one being packed can be the
+          (max_pending_reductions + 1)-th; then the unit is released. The root's gradients
+          complete last (its embedding is the first op of forward). ZeRO-2 and S == 1 (where
+          autograd itself keeps whatever it saved) gather nothing in backward and release
+          each unit after reducing it.
+
+The working set is the peak of the running sum, over the first step and a later one (with
+prefetching); roughly, ZeRO-3 holds the root plus `prefetch_limit + 1` blocks plus up to
+`max_pending_reductions + 1` reduce inputs, and ZeRO-2 the whole model gathered plus one
+reduce input.
+
+Not counted (they are not the engine's): autograd's unsharded gradients of the unit whose
+backward is running (reported separately as `backward_scratch_bytes`: the root's plus the
+largest other unit's, in the compute dtype), the activations, gloo's reduce-scatter receive
+scratch, and NO_SHARD's reduce-dtype copy of the gradients under mixed precision.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fullshard.planner.estimate import PrecisionSpec, _size
+from fullshard.planner.structure import ModelStructure
+
+BACKENDS = ("nccl", "gloo")
+
+
+@dataclass(frozen=True)
+class BucketCost:
+    gathered: int
+    send: int
+    copy_out: int
+    reduce: int
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    buckets: tuple[BucketCost, ...]
+    trainable: bool
+
+
+def unit_costs(
+    structure: ModelStructure, shard_size: int, precision: PrecisionSpec, backend: str
+) -> list[UnitCost]:
+    """Byte sizes of every unit's transient buffers at this shard size (module docstring)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    s = shard_size
+    units = []
+    for unit in structure.units:
+        costs = []
+        for b in unit.buckets:
+            master, compute, reduce = precision.dtypes(b)
+            flat = b.padded_shard_numel(s)
+            cast = flat * _size(compute) if compute != master else 0
+            if s == 1:
+                costs.append(BucketCost(cast, 0, 0, 0))
+                continue
+            gathered = s * flat * _size(compute)
+            copy_out = gathered if backend == "nccl" and len(b.shapes) > 1 else 0
+            reduce_bytes = s * flat * _size(reduce) if b.requires_grad else 0
+            costs.append(BucketCost(gathered, cast, copy_out, reduce_bytes))
+        units.append(UnitCost(tuple(costs), unit.trainable))
+    return units
+
+
+def backward_scratch_bytes(structure: ModelStructure, precision: PrecisionSpec) -> int:
+    """Autograd's unsharded gradients alive during backward: the root's (complete only at the
+    end) plus the largest other unit's, in the compute dtype."""
+    sizes = []
+    for unit in structure.units:
+        total = 0
+        for b in unit.buckets:
+            if b.requires_grad:
+                total += b.numel * _size(precision.dtypes(b)[1])
+        sizes.append(total)
+    return sizes[0] + max(sizes[1:], default=0)
+
+
+def working_set_bytes(
+    units: Sequence[UnitCost],
+    *,
+    reshard_after_forward: bool,
+    shard_size: int,
+    prefetch_limit: int,
+    max_pending_reductions: int = 2,
+) -> int:
+    """Peak transient bytes over a step (the larger of the first step and a later one)."""
+    return max(
+        _Replay(units, reshard_after_forward and shard_size > 1, prefetch_limit,
+                max_pending_reductions, warm=warm).run()
+        for warm in (False, True)
+    )
+
+
+class _Replay:
+    def __init__(self, units: Sequence[UnitCost], zero3: bool, prefetch_limit: int,
+                 max_pending: int, *, warm: bool) -> None:
+        self.units = units
+        self.zero3 = zero3
+        self.prefetch = prefetch_limit
+        self.max_pending = max_pending
+        self.warm = warm
+        self.live = self.peak = 0
+        self.state = ["sharded"] * len(units)
+        self.pending: collections.deque[int] = collections.deque()
+
+    def _add(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    # -- the engine's bucket operations ----------------------------------------------------------
+    def start(self, i: int) -> None:
+        if self.state[i] != "sharded":
+            return
+        for b in self.units[i].buckets:
+            self._add(b.send + b.gathered)
+        self.state[i] = "gathering"
+
+    def wait(self, i: int) -> None:
+        self.start(i)
+        if self.state[i] == "gathering":
+            for b in self.units[i].buckets:
+                self.live -= b.send
+                self._add(b.copy_out)
+                self.live -= b.copy_out
+            self.state[i] = "gathered"
+
+    def release(self, i: int) -> None:
+        if self.state[i] == "sharded":
+            return
+        for b in self.units[i].buckets:
+            self.live -= b.gathered + (b.send if self.state[i] == "gathering" else 0)
+        self.state[i] = "sharded"
+
+    def reduce(self, i: int) -> None:
+        for b in self.units[i].buckets:
+            if b.reduce == 0:
+                continue
+            self._add(b.reduce)
+            self.pending.append(b.reduce)
+            while len(self.pending) > self.max_pending:
+                self.live -= self.pending.popleft()
+
+    # -- one step ----------------------------------------------------------------------------------
+    def run(self) -> int:
+        n = len(self.units)
+        forward = list(range(n))
+        for pos, i in enumerate(forward):
+            self.start(i)
+            if self.warm:
+                for j in forward[pos + 1 : pos + 1 + self.prefetch]:
+                    self.start(j)
+            self.wait(i)
+            if i != 0:
+                self._post_forward(i)
+        self._post_forward(0)
+        backward = [0, *reversed(forward[1:])]  # the order gathers happen in backward
+        plan = backward if self.warm else list(reversed(forward))
+        for i in backward:
+            if self.zero3 and self.state[i] != "gathered":
+                self.start(i)
+                at = plan.index(i)
+                for j in plan[at + 1 : at + 1 + self.prefetch]:
+                    self.start(j)
+                self.wait(i)
+            if i != 0:
+                self._post_backward(i)
+        self._post_backward(0)
+        while self.pending:
+            self.live -= self.pending.popleft()
+        for i in range(n):
+            self.release(i)
+        assert self.live == 0, self.live
+        return self.peak
+
+    def _post_forward(self, i: int) -> None:
+        # The engine also releases units without trainable parameters here, but without the
+        # ZeRO-3 saved-tensor hooks autograd keeps what it saved of them until backward.
+        if self.zero3:
+            self.release(i)
+
+    def _post_backward(self, i: int) -> None:
+        if not self.units[i].trainable and self.zero3:
+            return  # no gradients: stays gathered until the end of backward
+        self.reduce(i)
+        self.release(i)
+
+
+def gathered_bytes(units: Sequence[UnitCost]) -> list[int]:
+    """Each unit's gathered bytes (for descriptions and tests)."""
+    return [sum(b.gathered for b in u.buckets) for u in units]
+

@@ -1,0 +1,343 @@
+"""`fullshard.plan()` and `fullshard plan`, without processes: exact model-state arithmetic,
+communication formulas, the working set's shape, budgets and recommendations, activations,
+the command line, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import fullshard
+from fullshard.cli import main
+from fullshard.planner import DEMO_CONFIG, parse_bytes
+from fullshard.planner.models import LlamaConfig
+
+PSI_7B = 6_738_415_616
+TENSORS_7B = 32 * 9 + 3  # per block: 7 Linear weights + 2 RMSNorm weights; root: 3
+
+
+@pytest.fixture(scope="module")
+def llama7b():
+    t0 = time.perf_counter()
+    table = fullshard.plan("llama-7b", world_sizes=(1, 2, 4, 8, 16))
+    return table, time.perf_counter() - t0
+
+
+# -- model state ---------------------------------------------------------------------------------
+def test_llama_7b_plans_in_seconds(llama7b):
+    table, seconds = llama7b
+    assert seconds < 10, f"planning llama-7b took {seconds:.1f}s"
+    assert table.num_params == PSI_7B == LlamaConfig().num_params
+    assert table.units == "root + 32 x LlamaBlock"
+
+
+def test_full_shard_8_ranks_adamw_fp32_holds_16_psi_over_8(llama7b):
+    table, _ = llama7b
+    row = table.row(8, "FULL_SHARD")
+    # Every dim of this config (4096, 11008, 32000) divides by 8: no padding. AdamW keeps
+    # exp_avg and exp_avg_sq (fp32) and a 4-byte fp32 step tensor per parameter tensor.
+    assert row.param_bytes == row.grad_bytes == 4 * PSI_7B // 8
+    assert row.optimizer_bytes == 8 * PSI_7B // 8 + 4 * TENSORS_7B
+    assert row.model_state_bytes == 16 * PSI_7B // 8 + 4 * TENSORS_7B
+    assert table.row(1, "NO_SHARD").model_state_bytes == 16 * PSI_7B + 4 * TENSORS_7B
+
+
+def test_padding_is_counted_in_shards_and_grads_not_in_optimizer_state():
+    table = fullshard.plan("llama-7b", world_sizes=(3,), strategies=["FULL_SHARD"])
+    row = table.row(3, "FULL_SHARD")
+    cfg = LlamaConfig()
+    rows = {  # (dim0, row_numel, count)
+        "wq/wo": (cfg.dim, cfg.dim, 2 * cfg.layers), "wk/wv": (cfg.dim, cfg.dim, 2 * cfg.layers),
+        "w1/w3": (cfg.ffn, cfg.dim, 2 * cfg.layers), "w2": (cfg.dim, cfg.ffn, cfg.layers),
+        "norms": (cfg.dim, 1, 2 * cfg.layers + 1), "emb/out": (cfg.vocab, cfg.dim, 2),
+    }
+    padded = sum(math.ceil(d0 / 3) * r * k for d0, r, k in rows.values())
+    assert padded * 3 > PSI_7B  # 4096 and 32000 do not divide by 3
+    assert row.param_bytes == row.grad_bytes == 4 * padded
+    assert row.optimizer_bytes == 8 * padded + 4 * TENSORS_7B  # rank 0 owns ceil rows
+
+
+def test_precision_and_optimizer_change_the_bytes():
+    kw = {"world_sizes": (8,), "strategies": ["FULL_SHARD"]}
+    mixed = fullshard.plan("llama-7b", precision="bf16-mixed", **kw).rows[0]
+    true16 = fullshard.plan("llama-7b", precision="bf16-true", **kw).rows[0]
+    sgd = fullshard.plan("llama-7b", optimizer="sgd", **kw).rows[0]
+    momentum = fullshard.plan("llama-7b", optimizer="sgd-momentum", **kw).rows[0]
+    # Mixed precision: shards, grads and AdamW state stay fp32.
+    assert mixed.model_state_bytes == 16 * PSI_7B // 8 + 4 * TENSORS_7B
+    assert true16.model_state_bytes == 8 * PSI_7B // 8 + 4 * TENSORS_7B
+    assert sgd.optimizer_bytes == 0 and sgd.model_state_bytes == 8 * PSI_7B // 8
+    assert momentum.optimizer_bytes == 4 * PSI_7B // 8
+
+
+# -- communication and working set --------------------------------------------------------------
+def test_communication_follows_the_zero_formulas(llama7b):
+    table, _ = llama7b
+    n, words = 8, PSI_7B * 7 / 8
+    z3, z2 = table.row(n, "FULL_SHARD"), table.row(n, "SHARD_GRAD_OP")
+    ddp = table.row(n, "NO_SHARD")
+    assert z3.comm_bytes == pytest.approx(3 * 4 * words, abs=100)
+    assert z2.comm_bytes == pytest.approx(2 * 4 * words, abs=100)
+    assert ddp.comm_bytes_by_kind["all_reduce"] == pytest.approx(2 * 4 * words, abs=100)
+    assert all(r.comm_bytes == 0 for r in table.rows if r.world_size == 1 and r.applicable)
+    mixed = fullshard.plan("llama-7b", world_sizes=(8,), strategies=["FULL_SHARD"],
+                           precision="bf16-mixed").rows[0]
+    assert mixed.comm_bytes_by_kind["all_gather"] == pytest.approx(2 * 2 * words, abs=100)
+
+
+def test_strategies_order_memory_and_communication(llama7b):
+    table, _ = llama7b
+    for n in (2, 4, 8, 16):
+        rows = [r for r in table.rows if r.world_size == n]
+        assert [r.strategy for r in rows] == [
+            "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"
+        ]
+        z3, z2, ddp = rows[:3]
+        assert z3.model_state_bytes == z2.model_state_bytes < ddp.model_state_bytes
+        assert z3.working_set_bytes < z2.working_set_bytes
+        assert z3.total_bytes < z2.total_bytes < ddp.total_bytes
+        assert z3.comm_bytes > z2.comm_bytes >= ddp.comm_bytes
+    assert not table.row(4, "HYBRID_SHARD").applicable
+    assert "multiple of 8" in table.row(4, "HYBRID_SHARD").note
+    hybrid = table.row(16, "HYBRID_SHARD")
+    assert hybrid.mesh == (2, 8)
+    assert hybrid.model_state_bytes == table.row(8, "FULL_SHARD").model_state_bytes
+    assert hybrid.comm_bytes_by_kind["all_reduce"] > 0
+
+
+def test_working_set_zero3_holds_root_and_two_blocks(llama7b):
+    table, _ = llama7b
+    f32, d, f, v = 4, 4096, 11008, 32000
+    block = (4 * d * d + 3 * d * f + 2 * d) * f32
+    root = (2 * v * d + d) * f32
+    for n in (2, 4, 8, 16):
+        z3 = table.row(n, "FULL_SHARD").working_set_bytes
+        z2 = table.row(n, "SHARD_GRAD_OP").working_set_bytes
+        # ZeRO-3: root + running block + 1 prefetched, plus up to 3 reduce inputs (and NCCL's
+        # copy-out of one gather); ZeRO-2: everything gathered plus a reduce input.
+        assert root + 2 * block <= z3 <= root + 3 * block + 3 * block
+        assert root + 32 * block <= z2 <= root + 35 * block
+    assert table.row(1, "FULL_SHARD").working_set_bytes == 0  # nothing is gathered at N=1
+    deeper = fullshard.plan("llama-7b", world_sizes=(8,), strategies=["FULL_SHARD"],
+                            prefetch_limit=3).rows[0]
+    assert deeper.working_set_bytes == table.row(8, "FULL_SHARD").working_set_bytes + 2 * block
+
+
+# -- budget and recommendation ------------------------------------------------------------------
+def test_budget_marks_fits_and_recommends_the_cheapest_that_fits():
+    table = fullshard.plan("llama-7b", world_sizes=(8, 16), precision="bf16-mixed",
+                           budget="80GiB")
+    assert table.budget == 80 * 2**30
+    for r in table.rows:
+        if r.applicable:
+            assert r.fits == (r.total_bytes <= 80 * 2**30)
+    assert table.row(8, "NO_SHARD").fits is False
+    best = table.recommend(8)
+    assert best.strategy == "SHARD_GRAD_OP" and best.fits and best.recommended
+    fitting = [r for r in table.rows if r.world_size == 8 and r.applicable and r.fits]
+    assert best.comm_bytes == min(r.comm_bytes for r in fitting)
+    assert table.recommend() is best  # 8 ranks send less per rank than 16
+    # A budget only ZeRO-3 meets.
+    z3 = table.row(8, "FULL_SHARD")
+    tight = fullshard.plan("llama-7b", world_sizes=(8,), precision="bf16-mixed",
+                           budget=z3.total_bytes)
+    assert tight.recommend(8).strategy in ("FULL_SHARD", "HYBRID_SHARD")
+    assert tight.recommend(8).strategy == "FULL_SHARD"  # equal numbers: the first listed
+    nothing = fullshard.plan("llama-7b", world_sizes=(8,), budget="1GiB")
+    assert nothing.recommend() is None and all(r.fits is False for r in nothing if r.applicable)
+    assert "nothing fits" in nothing.render()
+
+
+def test_no_budget_means_fits_unknown():
+    table = fullshard.plan("tiny", world_sizes=(2,))
+    assert all(r.fits is None for r in table.rows)
+    assert table.recommend(2).strategy == "NO_SHARD"  # least communication
+
+
+def test_to_dict_is_json_data(llama7b):
+    table, _ = llama7b
+    d = json.loads(json.dumps(table.to_dict()))
+    assert d["num_params"] == PSI_7B and len(d["rows"]) == len(table.rows)
+    first = d["rows"][0]
+    assert {"world_size", "strategy", "mesh", "param_bytes", "grad_bytes", "optimizer_bytes",
+            "model_state_bytes", "working_set_bytes", "total_bytes", "comm_bytes",
+            "comm_bytes_by_kind", "fits", "recommended"} <= set(first)
+
+
+# -- activations --------------------------------------------------------------------------------
+def test_activation_estimate_from_a_meta_forward():
+    one = fullshard.plan("demo", world_sizes=(2,), batch=1, seq=64).rows[0]
+    four = fullshard.plan("demo", world_sizes=(2,), batch=4, seq=64).rows[0]
+    assert one.activation_bytes > 0
+    # Linear in the batch, up to the few batch-independent tensors (position ids).
+    assert four.activation_bytes == pytest.approx(4 * one.activation_bytes, rel=1e-3)
+    assert four.total_bytes == (four.model_state_bytes + four.working_set_bytes
+                                + four.backward_scratch_bytes + four.activation_bytes)
+    flash = fullshard.plan("llama-7b", world_sizes=(8,), batch=1, seq=2048).rows[0]
+    math_ = fullshard.plan("llama-7b", world_sizes=(8,), batch=1, seq=2048,
+                           attention="math").rows[0]
+    # The math kernel also keeps the 32 layers x 32 heads x 2048^2 attention probabilities
+    # (fp32), but not the attention output and log-sum-exp that flash saves.
+    diff = math_.activation_bytes - flash.activation_bytes
+    assert diff == 32 * (32 * 2048 * 2048 - 2048 * 4096 - 32 * 2048) * 4
+    bf16 = fullshard.plan("llama-7b", world_sizes=(8,), batch=1, seq=2048,
+                          precision="bf16-mixed").rows[0]
+    assert bf16.activation_bytes < flash.activation_bytes
+    assert fullshard.plan("tiny", world_sizes=(1,)).rows[0].activation_bytes is None
+
+
+# -- models, factories, policies ----------------------------------------------------------------
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(10, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x))
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 10)
+        self.layers = nn.ModuleList(_Layer() for _ in range(3))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def make_net() -> nn.Module:
+    return _Net()
+
+
+def test_factory_path_callable_and_module_instance():
+    by_path = fullshard.plan("tests.unit.test_plan:make_net", world_sizes=(2,), batch=2, seq=3)
+    assert by_path.num_params == 50 * 10 + 3 * 110
+    assert by_path.units == "root + 3 x _Layer" and "guessed" in by_path.policy
+    by_callable = fullshard.plan(make_net, world_sizes=(2,))
+    instance = fullshard.plan(_Net(), world_sizes=(2,))  # real tensors: only shapes are read
+    assert by_callable.rows == instance.rows == [
+        r for r in fullshard.plan("tests.unit.test_plan:make_net", world_sizes=(2,)).rows
+    ]
+    root_only = fullshard.plan(make_net, world_sizes=(2,), auto_wrap_policy=None)
+    assert root_only.units.startswith("root")
+    by_name = fullshard.plan(make_net, world_sizes=(2,), auto_wrap_policy=["_Layer"])
+    assert by_name.units == "root + 3 x _Layer"
+
+
+def test_demo_config_matches_the_demo():
+    demo = pytest.importorskip("fullshard.demo.train")
+    cfg = demo.DemoConfig()
+    assert {k: getattr(cfg, k) for k in ("dim", "layers", "heads", "seq")} == {
+        k: DEMO_CONFIG[k] for k in ("dim", "layers", "heads", "seq")
+    }
+    assert DEMO_CONFIG["vocab"] == demo.VOCAB
+
+
+def test_llama_70b_plans_in_seconds():
+    t0 = time.perf_counter()
+    table = fullshard.plan("llama-70b", world_sizes=(8, 64), precision="bf16-mixed",
+                           batch=1, seq=4096, budget="80GiB")
+    assert time.perf_counter() - t0 < 20
+    assert 68e9 < table.num_params < 70e9
+    assert table.row(8, "NO_SHARD").fits is False
+
+
+# -- bytes ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text,expected", [
+    ("80GiB", 80 * 2**30), ("80 GiB", 80 * 2**30), ("80G", 80 * 2**30), ("80GB", 80 * 10**9),
+    ("1.5TiB", int(1.5 * 2**40)), ("512mib", 512 * 2**20), ("1024", 1024), (4096, 4096),
+])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+# -- the command line ---------------------------------------------------------------------------
+def test_cli_plan_tiny(capsys):
+    assert main(["plan", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "fullshard plan: tiny" in out
+    for name in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "recommended"):
+        assert name in out
+
+
+def test_cli_plan_options_and_json(capsys):
+    argv = ["plan", "llama-7b", "--world-sizes", "8,16", "--precision", "bf16-mixed",
+            "--optimizer", "adamw", "--batch", "1", "--seq", "1024", "--budget", "80GiB",
+            "--bucketing", "BLOCK", "--json"]
+    assert main(argv) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["budget"] == 80 * 2**30 and d["precision"] == "bf16-mixed"
+    assert d["recommended"] == {"world_size": 8, "strategy": "SHARD_GRAD_OP"}
+    assert {r["world_size"] for r in d["rows"]} == {8, 16}
+
+
+def test_cli_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for opt in ("--world-sizes", "--precision", "--optimizer", "--batch", "--seq", "--budget",
+                "--bucketing", "llama-7b"):
+        assert opt in out
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "plan" in capsys.readouterr().out
+
+
+# -- errors --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,match", [
+    ({"model_or_factory": "gpt-9"}, r"Unknown model 'gpt-9'.*tiny, demo, llama-7b"),
+    ({"model_or_factory": "no_such_pkg.mod:build"}, r"cannot import module 'no_such_pkg.mod'"),
+    ({"model_or_factory": "tests.unit.test_plan:nope"}, r"has no attribute 'nope'"),
+    ({"model_or_factory": "tests.unit.test_plan:PSI_7B"}, r"not a callable"),
+    ({"world_sizes": (1, 0)}, r"world size must be an int >= 1, got 0"),
+    ({"world_sizes": ()}, r"at least one world size"),
+    ({"budget": "eighty gigs"}, r"Cannot read 'eighty gigs' as a byte size"),
+    ({"budget": "0GiB"}, r"must be positive"),
+    ({"precision": "fp8"}, r"precision='fp8' is not supported"),
+    ({"optimizer": "lion"}, r"Unknown optimizer 'lion'"),
+    ({"strategies": ["ZERO4"]}, r"Unknown sharding strategy 'ZERO4'"),
+    ({"bucketing": "MODULE"}, r"Unknown bucketing strategy"),
+    ({"batch": 4}, r"both batch and seq"),
+    ({"batch": 0, "seq": 8}, r"batch must be an int >= 1"),
+    ({"auto_wrap_policy": ["Blok"]}, r"No module class named 'Blok'"),
+    ({"prefetch_limit": -1}, r"prefetch_limit must be an int >= 0"),
+])
+def test_bad_inputs_raise_clear_errors(kwargs, match):
+    kwargs = {"model_or_factory": "tiny", **kwargs}
+    with pytest.raises(ValueError, match=match):
+        fullshard.plan(kwargs.pop("model_or_factory"), **kwargs)
+
+
+def test_bad_types_and_non_meta_activation_estimate():
+    with pytest.raises(TypeError, match="expects an nn.Module, a factory callable"):
+        fullshard.plan(42)
+    with pytest.raises(TypeError, match="returned a int, not an nn.Module"):
+        fullshard.plan(lambda: 3)
+    with pytest.raises(ValueError, match="meta-device forward.*on cpu"):
+        fullshard.plan(_Net(), batch=1, seq=2)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["plan", "gpt-9"], "Unknown model 'gpt-9'"),
+    (["plan", "tiny", "--world-sizes", "0"], "world size must be an int >= 1, got 0"),
+    (["plan", "tiny", "--world-sizes", "2,x"], "--world-sizes must be comma-separated"),
+    (["plan", "tiny", "--budget", "lots"], "Cannot read 'lots' as a byte size"),
+    (["plan", "tiny", "--optimizer", "lion"], "invalid choice: 'lion'"),
+    (["plan", "pkg_missing:f"], "cannot import module 'pkg_missing'"),
+])
+def test_cli_bad_inputs_exit_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "fullshard plan: error:" in err and message in err
