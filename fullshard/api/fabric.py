@@ -7,8 +7,10 @@ imports. It is thin: it resolves `accelerator` / `strategy` / `devices` / `num_n
 
 Differences from Lightning worth knowing:
 - `setup` returns the model object itself (sharded in place) and the optimizers themselves,
-  not `_FabricModule` / `_FabricOptimizer` wrappers; `fabric.backward(loss)` and
-  `loss.backward()` are the same thing.
+  not `_FabricModule` / `_FabricOptimizer` wrappers: the precision's forward context and
+  casts are hooks on the model, and under '16-mixed' `optimizer.step()` goes through the
+  gradient scaler (see `fullshard.api.precision`). `fabric.backward(loss)` scales the loss
+  under '16-mixed' and is otherwise the same as `loss.backward()`.
 - strategies: 'fsdp' (FULL_SHARD), 'ddp' (NO_SHARD, i.e. replicated: DDP's numerics), an
   `FSDPStrategy`; accelerators: 'auto', 'cpu', 'cuda'/'gpu'.
 - `launch()` also works under `fullshard run` / torchrun / SLURM (it then starts nothing).
@@ -366,6 +368,11 @@ class Fabric:
             )
         raise ValueError("You have to specify either `clip_val` or `max_norm` to do gradient "
                          "clipping!")
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The precision's forward context (autocast for '*-mixed'), for code that runs
+        outside the model's forward, e.g. a loss on the model's outputs."""
+        return self._strategy.precision_plugin.forward_context()
 
     def no_backward_sync(self, module: nn.Module,
                          enabled: bool = True) -> contextlib.AbstractContextManager:

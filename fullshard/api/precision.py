@@ -1,0 +1,284 @@
+"""Lightning's precision strings on the fullshard engine: dtypes, contexts and the scaler.
+
+This module owns what a precision string means to `FSDPStrategy` / `Fabric` beyond the engine's
+`MixedPrecision` (which it derives): how the model is converted and initialized, the context
+its forward runs in, how inputs and outputs are cast, and -- for '16-mixed' -- a gradient
+scaler whose inf/NaN check is global across ranks. The engine itself never sees the string.
+
+| precision  | shards, optimizer | gathered, reduced, buffers | init | forward            | scaler |
+|------------|-------------------|----------------------------|------|--------------------|--------|
+| 32-true    | fp32              | fp32                       | fp32 | --                 | --     |
+| 16-mixed   | fp32              | fp16                       | fp32 | autocast(fp16)     | yes    |
+| bf16-mixed | fp32              | bf16                       | fp32 | autocast(bf16)     | --     |
+| 16-true    | fp16 (module.to)  | fp16                       | fp16 | default dtype fp16 | --     |
+| bf16-true  | bf16 (module.to)  | bf16                       | bf16 | default dtype bf16 | --     |
+
+As in Lightning: floating inputs are cast to fp32 for '*-mixed' and 32-true and to the low
+dtype for '*-true' (the engine then casts each unit's inputs to its compute dtype); floating
+outputs are cast back to the default dtype (fp32), so a loss computed from them is fp32 in
+every mode. Aliases: 32 / '32' -> '32-true', 16 / '16' -> '16-mixed', 'bf16' -> 'bf16-mixed'.
+
+Because `fabric.setup` hands back the user's own module and optimizers (no `_FabricModule` /
+`_FabricOptimizer` wrappers), the forward context and the casts are forward hooks on the
+root module (`install_forward_hooks`), and with a scaler each optimizer's `step` is routed
+through it (`setup_optimizer`): `optimizer.step()` then unscales (unless `clip_gradients`
+already did), skips the update when any rank found an inf/NaN, and updates the scale.
+
+[Note: a global inf check]
+Each rank holds different gradient shards, so an overflow may show up on one rank only. A
+step skipped on one rank and taken on another would silently desynchronize the replicas of
+the optimizer state, so `ShardedGradScaler` all-reduces (max) the found-inf flag over all
+ranks in every unscale -- exactly one collective per optimizer and step, on every rank, even
+a rank that holds no gradient -- through `fullshard.distributed.comm`, which counts it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+from torch.utils._pytree import tree_map
+
+from fullshard.config import MixedPrecision, mixed_precision_for, resolve_precision
+from fullshard.distributed import comm
+
+_LOW = {"16": torch.float16, "bf16": torch.bfloat16, "32": torch.float32}
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Make `dtype` torch's default floating dtype inside the block."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return tree_map(cast, data)
+
+
+class ShardedGradScaler(torch.amp.GradScaler):
+    """`torch.amp.GradScaler` whose inf/NaN check covers every rank's gradient shards.
+
+    Scaling, unscaling, the scale's growth/backoff and `state_dict` are torch's; the only
+    change is that the per-device found-inf flags of each unscale are combined and all-reduced
+    (max) over `group` (default: all ranks), so every rank skips the same steps and keeps the
+    same scale. Works for CPU-offloaded gradients (host tensors) with a CUDA scale as well.
+    """
+
+    def __init__(self, device: str = "cpu", *, group: comm.Group | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(device, **kwargs)
+        self._group = group
+
+    def _comm_group(self) -> comm.Group | None:
+        if self._group is None and dist.is_available() and dist.is_initialized():
+            self._group = comm.Group.from_process_group(None)
+        return self._group
+
+    def _make_global(self, per_device: dict[torch.device, torch.Tensor]) -> None:
+        """Replace the local found-inf flags by their max over the group, in place."""
+        group = self._comm_group()
+        assert self._scale is not None
+        device = self._scale.device
+        if group is not None and "nccl" in group.backend and device.type != "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        flag = torch.zeros(1, dtype=torch.float32, device=device)
+        for t in per_device.values():
+            flag = torch.maximum(flag, t.reshape(1).to(device, torch.float32))
+        if group is not None:
+            comm.all_reduce(flag, group, op=dist.ReduceOp.MAX)
+        if not per_device:  # no gradients here; the others may have some
+            per_device[self._scale.device] = flag.to(self._scale.device)
+        for t in per_device.values():
+            t.copy_(flag.reshape(t.shape).to(t.device))
+
+    def unscale_(self, optimizer: Optimizer) -> None:
+        if not self._enabled:
+            return
+        super().unscale_(optimizer)
+        self._make_global(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"])
+
+    def _check_inf_per_device(self, optimizer: Optimizer) -> dict[Any, torch.Tensor]:
+        per_device = super()._check_inf_per_device(optimizer)
+        self._make_global(per_device)
+        return per_device
+
+    def found_inf(self, optimizer: Optimizer) -> bool:
+        """Whether this step's (already unscaled) gradients of `optimizer` overflowed on any
+        rank; False when they were not unscaled yet."""
+        flags = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        return bool(sum(v.item() for v in flags.values()))
+
+    def is_unscaled(self, optimizer: Optimizer) -> bool:
+        from torch.amp.grad_scaler import OptState
+
+        return self._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED
+
+
+class Precision:
+    """What one precision string means: see the module docstring's table.
+
+    Args:
+        precision: a Lightning precision string or alias (None: '32-true').
+        device: where the model computes (the autocast and scaler device type).
+    """
+
+    def __init__(self, precision: str | int | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        self.precision = resolve_precision(precision)
+        self.device = torch.device(device)
+        bits, kind = self.precision.split("-")
+        self.dtype: torch.dtype = _LOW[bits]
+        """The low (compute) dtype; fp32 for '32-true'."""
+        self.is_true = kind == "true"
+        self.mixed_precision: MixedPrecision | None = mixed_precision_for(self.precision)
+        """The engine's dtypes for this string (None for 32-true)."""
+        self.scaler: ShardedGradScaler | None = None
+        if self.precision == "16-mixed":
+            self.scaler = ShardedGradScaler(self.device.type)
+        self._scaled_backwards = 0  # scaled backward calls so far
+        self._seen_at_step: dict[int, int] = {}  # id(optimizer) -> that count at its last step
+
+    def __repr__(self) -> str:
+        return f"Precision({self.precision!r}, device={str(self.device)!r})"
+
+    # -- the model ----------------------------------------------------------------------------
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        """Default dtype for building the model: the low dtype for '*-true', fp32 otherwise
+        (mixed precision keeps fp32 master weights, so they are initialized in fp32)."""
+        return default_dtype(self.dtype if self.is_true else torch.float32)
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """'*-true': `module.to(low dtype)` (in place, before sharding); otherwise unchanged."""
+        if self.is_true and self.dtype != torch.float32:
+            module.to(self.dtype)
+        return module
+
+    @property
+    def input_dtype(self) -> torch.dtype:
+        return self.dtype if self.is_true else torch.float32
+
+    def convert_input(self, data: Any) -> Any:
+        return _cast_floating(data, self.input_dtype)
+
+    def convert_output(self, data: Any) -> Any:
+        return _cast_floating(data, torch.get_default_dtype())
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        """autocast in the low dtype for '*-mixed', the low default dtype for '*-true'."""
+        if self.precision == "32-true":
+            return contextlib.nullcontext()
+        if self.is_true:
+            return default_dtype(self.dtype)
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def install_forward_hooks(self, module: nn.Module) -> None:
+        """Run `module`'s forward as Lightning's `_FabricModule` does: inputs converted, the
+        forward context entered, outputs converted back. A no-op for '32-true'."""
+        if self.precision == "32-true":
+            return
+        entered: list[contextlib.AbstractContextManager] = []
+
+        def pre(mod: nn.Module, args: Any, kwargs: Any) -> Any:
+            ctx = self.forward_context()
+            ctx.__enter__()
+            entered.append(ctx)
+            return self.convert_input((args, kwargs))
+
+        def post(mod: nn.Module, args: Any, output: Any) -> Any:
+            if entered:
+                entered.pop().__exit__(None, None, None)
+            return self.convert_output(output)
+
+        # Before the engine's own pre-hook (which casts unit inputs to the compute dtype).
+        module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
+        module.register_forward_hook(post, always_call=True)
+
+    # -- the loss and the optimizer -------------------------------------------------------------
+    def backward(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """`tensor.backward()`, with the loss scaled first when there is a scaler."""
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+            self._scaled_backwards += 1
+        tensor.backward(*args, **kwargs)
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """With a scaler, route `optimizer.step()` through it (once per optimizer)."""
+        if self.scaler is None or getattr(optimizer, "_fullshard_precision", None) is self:
+            return optimizer
+        inner = optimizer.step  # possibly an LR scheduler's wrapper: keep it in the chain
+        busy = [False]
+
+        @functools.wraps(inner)
+        def step(*args: Any, **kwargs: Any) -> Any:
+            if busy[0]:  # the scaler itself calling the optimizer's step
+                return inner(*args, **kwargs)
+            self._check_scaled(optimizer)
+            busy[0] = True
+            try:
+                assert self.scaler is not None
+                out = self.scaler.step(optimizer, *args, **kwargs)
+                self.scaler.update()
+            finally:
+                busy[0] = False
+                self._seen_at_step[id(optimizer)] = self._scaled_backwards
+            return out
+
+        optimizer.step = step  # type: ignore[method-assign]
+        optimizer._fullshard_precision = self  # type: ignore[attr-defined]
+        return optimizer
+
+    def _check_scaled(self, optimizer: Optimizer) -> None:
+        if self._scaled_backwards <= self._seen_at_step.get(id(optimizer), 0):
+            raise RuntimeError(
+                f"precision={self.precision!r} scales the loss in `fabric.backward(loss)` (or "
+                f"`strategy.backward(loss)`), but this optimizer step follows no such call: "
+                f"the gradients come from a plain `loss.backward()`, so unscaling them would "
+                f"shrink them by the loss scale. Call `fabric.backward(loss)` instead."
+            )
+
+    def unscale_for_clipping(self, optimizer: Optimizer | None, what: str) -> bool:
+        """Before clipping: unscale `optimizer`'s gradients ('16-mixed'); True when the step
+        overflowed on some rank (it will be skipped, so a non-finite norm is no error)."""
+        if self.scaler is None:
+            return False
+        if optimizer is None:
+            raise ValueError(
+                f"{what}(module, optimizer=None, ...) with precision={self.precision!r}: the "
+                f"gradients are still multiplied by the loss scale and only the optimizer says "
+                f"which ones to unscale. Pass the optimizer (fabric.clip_gradients(model, "
+                f"optimizer, ...))."
+            )
+        return self.unscale_gradients(optimizer)
+
+    def unscale_gradients(self, optimizer: Optimizer) -> bool:
+        """Unscale `optimizer`'s gradients in place (once per step) before they are clipped;
+        return whether any rank found an inf/NaN (the step will then be skipped)."""
+        if self.scaler is None:
+            return False
+        self._check_scaled(optimizer)
+        if not self.scaler.is_unscaled(optimizer):
+            self.scaler.unscale_(optimizer)
+        return self.scaler.found_inf(optimizer)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state)

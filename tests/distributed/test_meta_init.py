@@ -1,0 +1,313 @@
+"""Sharded initialization from the meta device, on 2 and 3 real gloo ranks.
+
+- a model built on the meta device and materialized unit by unit at setup equals, parameter
+  for parameter and buffer for buffer, the same model built on the CPU whose modules are reset
+  with the same seed in the same order -- units root first; within a unit its modules in
+  `named_modules()` order, skipping nested units (see engine/materialize.py) -- through the
+  three doors: `torch.device("meta")` + `fsdp()`, `FSDPStrategy.module_init_context(
+  empty_init=True)` and `Fabric.init_module(empty_init=True)`;
+- a module with meta tensors and no `reset_parameters` is an error naming it; an optimizer
+  built on meta parameters before setup is an error that says what to do instead;
+- a model whose full size exceeds a stated per-rank budget initializes within that budget:
+  peak RSS growth (sampled while it runs) plus what the engine still holds unsharded.
+
+The module's rank group is parametrized over world sizes 2 and 3 (one group at a time).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fullshard
+from fullshard import Fabric, FSDPStrategy
+from fullshard.testing import DistributedGroup, local_rows
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
+def group(request):
+    with DistributedGroup(request.param, grace=5.0) as g:
+        yield g
+
+
+# -- the model ----------------------------------------------------------------------------------
+class Gain(nn.Module):
+    """A module with its own parameter and reset_parameters (a non-torch init)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.uniform_(self.weight, 0.5, 1.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+class Mix(nn.Module):
+    """A container without tensors of its own, inside a unit."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, 13)
+        self.back = nn.Linear(13, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.back(torch.tanh(self.fc(x)))
+
+
+class MetaBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.mix = Mix(dim)
+        self.gain = Gain(dim)
+        self.bn = nn.BatchNorm1d(dim)  # buffers: running stats
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.gain(self.bn(self.mix(self.norm(x))))
+
+
+class MetaNet(nn.Module):
+    def __init__(self, dim: int = 7, blocks: int = 3) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, dim)
+        self.blocks = nn.ModuleList(MetaBlock(dim) for _ in range(blocks))
+        self.head = nn.Linear(dim, 5)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def reset_in_materialization_order(model: nn.Module, unit_classes: tuple[type, ...]) -> None:
+    """The reference: reset every module that has tensors of its own, units root first, each
+    unit's modules in named_modules order, nested units skipped (they come in their turn)."""
+    units = [model] + [m for m in model.modules() if isinstance(m, unit_classes)]
+    unit_ids = set(map(id, units))
+
+    def walk(m: nn.Module) -> list[nn.Module]:
+        out = [m]
+        for child in m.children():
+            if id(child) not in unit_ids:
+                out += walk(child)
+        return out
+
+    with torch.no_grad():
+        for unit in units:
+            for m in walk(unit):
+                if any(t is not None for t in (*m._parameters.values(), *m._buffers.values())):
+                    m.reset_parameters()
+
+
+def _compare(model: nn.Module, ref: nn.Module) -> int:
+    runtime = model.fullshard_runtime
+    s, r = runtime.mesh.shard.size, runtime.mesh.shard.rank
+    ref_params = dict(ref.named_parameters())
+    n = 0
+    for name, p in model.named_parameters():
+        assert not p.is_meta, name
+        assert torch.equal(p.detach(), local_rows(ref_params[name].detach(), s, r)), name
+        n += 1
+    ref_buffers = dict(ref.named_buffers())
+    for name, b in model.named_buffers():
+        assert torch.equal(b, ref_buffers[name]), name
+        n += 1
+    return n
+
+
+def _meta_equals_cpu(door: str) -> int:
+    torch.manual_seed(123)  # the CPU reference's own init, overwritten by the resets below
+    ref = MetaNet()
+    torch.manual_seed(7)
+    reset_in_materialization_order(ref, (MetaBlock,))
+    policy = {MetaBlock}
+    if door == "fsdp":
+        with torch.device("meta"):
+            model = MetaNet()
+        torch.manual_seed(7)
+        model = fullshard.fsdp(model, device="cpu", auto_wrap_policy=policy,
+                               sharding_strategy="ZERO3")
+    elif door == "strategy":
+        s = FSDPStrategy(accelerator="cpu", auto_wrap_policy=policy)
+        s.setup_environment()
+        with s.module_init_context(empty_init=True):
+            model = MetaNet()
+        torch.manual_seed(7)
+        model = s.setup_module(model)
+    else:
+        fabric = Fabric(accelerator="cpu", devices=dist.get_world_size(),
+                        strategy=FSDPStrategy(auto_wrap_policy=policy))
+        fabric.launch()
+        with fabric.init_module(empty_init=True):
+            model = MetaNet()
+        assert all(p.is_meta for p in model.parameters())
+        torch.manual_seed(7)
+        model = fabric.setup_module(model)
+    n = _compare(model, ref)
+    # And it trains: the materialized shards are the ones the engine gathers.
+    model(torch.randint(0, 11, (4,))).sum().backward()
+    return n
+
+
+@pytest.mark.parametrize("door", ["fsdp", "strategy", "fabric"])
+def test_meta_init_equals_the_cpu_model_reset_in_the_same_order(group, door) -> None:
+    counts = group.run(_meta_equals_cpu, door)
+    # emb, head (2), 3 blocks x (norm 2, mix 4, gain 1, bn 2) params; bn buffers 3 x 3
+    assert counts == [2 + 1 + 3 * 9 + 3 * 3] * group.world_size
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(4, 3)
+        self.head = nn.Linear(3, 4, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def _tied() -> bool:
+    with torch.device("meta"):
+        model = _Tied()
+    torch.manual_seed(0)
+    model = fullshard.fsdp(model, device="cpu")
+    ref = _Tied()
+    torch.manual_seed(0)
+    ref.emb.reset_parameters()
+    ref.head.reset_parameters()  # the last module holding the tied weight decides
+    runtime = model.fullshard_runtime
+    want = local_rows(ref.emb.weight.detach(), runtime.mesh.shard.size, runtime.mesh.shard.rank)
+    return torch.equal(model.emb.weight.detach(), want)
+
+
+def test_tied_weight_last_reset_decides(group) -> None:
+    assert all(group.run(_tied))
+
+
+# -- errors -----------------------------------------------------------------------------------
+class NoReset(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+
+def _errors() -> dict:
+    out = {}
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.Tanh(), NoReset()))
+    try:
+        fullshard.fsdp(model, device="cpu")
+    except TypeError as e:
+        out["no_reset"] = str(e)
+    fabric = Fabric(accelerator="cpu", devices=dist.get_world_size())
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        meta_model = MetaNet()
+    early = torch.optim.AdamW(meta_model.parameters())
+    try:
+        fabric.setup(meta_model, early)
+    except RuntimeError as e:
+        out["optimizer"] = str(e)
+    return out
+
+
+def test_errors_name_the_module_and_the_fix(group) -> None:
+    for out in group.run(_errors):
+        assert "Module '1.1' (NoReset)" in out["no_reset"]
+        assert "no reset_parameters()" in out["no_reset"]
+        assert "Implement reset_parameters()" in out["no_reset"]
+        msg = out["optimizer"]
+        assert "meta-device parameters" in msg
+        assert "fabric.setup_module(model)" in msg and "fabric.setup_optimizers" in msg
+
+
+# -- memory budget ----------------------------------------------------------------------------
+class Wide(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.a = nn.Linear(dim, dim, bias=False)
+        self.b = nn.Linear(dim, dim, bias=False)
+
+
+class RSSPeak:
+    """Samples this process's resident set size (from /proc/self/statm) in a thread."""
+
+    def __init__(self, interval: float = 0.0005) -> None:
+        self.interval = interval
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.peak = 0
+        self._stop = threading.Event()
+
+    def rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self.page
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.rss())
+            time.sleep(self.interval)
+
+    def __enter__(self) -> RSSPeak:
+        self.peak = self.rss()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.rss())
+
+
+UNITS, DIM = 16, 1024  # 16 units x 2 x 1024^2 fp32 = 128 MiB in full; one unit 8 MiB
+OVERHEAD = 32 * 2**20  # allocator and runtime slack (measured 14-18 MiB beyond one unit)
+
+
+def _init_wide(units: int, dim: int) -> nn.Module:
+    s = FSDPStrategy(accelerator="cpu", auto_wrap_policy={Wide})
+    s.setup_environment()
+    with s.module_init_context(empty_init=True):
+        model = nn.Sequential(*(Wide(dim) for _ in range(units)))
+    return s.setup_module(model)
+
+
+def _init_within_budget() -> dict:
+    _init_wide(2, 64)  # one-time costs of the first init (thread pools, arenas) out of the way
+    try:  # hand memory freed by earlier tests back to the OS, so the baseline is honest
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    fullshard.reset_memory_stats()
+    with RSSPeak() as sampler:
+        base = sampler.rss()
+        model = _init_wide(UNITS, DIM)
+    shard_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"rss_growth": sampler.peak - base, "shard_bytes": shard_bytes,
+            "unsharded_now": fullshard.memory_stats()["unsharded_param_bytes"],
+            "peak_unsharded": fullshard.memory_stats()["peak_unsharded_bytes"]}
+
+
+def test_initialization_peak_stays_under_a_budget_smaller_than_the_model(group) -> None:
+    full = UNITS * 2 * DIM * DIM * 4
+    world = group.world_size
+    # Budget per rank: this rank's shards, the one unit being materialized, and a fixed
+    # allowance. It is below the full model's size (104 MiB on 2 ranks, 83 MiB on 3, for a
+    # 128 MiB model), so building the model eagerly on each rank could not fit in it.
+    budget = full // world + full // UNITS + OVERHEAD
+    assert budget < full
+    results = group.run(_init_within_budget)
+    assert sum(r["shard_bytes"] for r in results) == full  # disjoint slices of the model
+    for r in results:
+        assert r["shard_bytes"] <= -(-DIM // world) * DIM * 4 * 2 * UNITS  # ceil(rows / N)
+        assert r["unsharded_now"] == 0 and r["peak_unsharded"] == 0
+        assert r["rss_growth"] + r["peak_unsharded"] < budget, (r, budget)
