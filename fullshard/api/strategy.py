@@ -3,14 +3,17 @@
 It owns the translation from Lightning's options to `fullshard.fsdp()` and the job-level
 duties around it: the process group (`setup_environment`), which launcher starts the ranks
 (`_configure_launcher`), wrapping and optimizer checks, user collectives, the global gradient
-norm, and checkpoints (delegated to `api.checkpoint_io`). It owns no sharding logic.
+norm, and checkpoints (delegated to `fullshard.checkpoint`). It owns no sharding logic.
 
 Meanings where Lightning's FSDP and ours differ on purpose:
 - `setup_module_and_optimizers` (`fabric.setup(model, optimizer)`) accepts an optimizer built
   on the unwrapped model's parameters if it has no state yet: its parameter references are
   replaced by the shards (torch FSDP's `use_orig_params=True` gives Lightning the same). A
   separate `setup_optimizer` refuses an optimizer that holds anything but the shards.
-- `clip_gradients_norm` returns the true global norm and honours `error_if_nonfinite`.
+- `clip_gradients_norm` returns the true global norm and honours `error_if_nonfinite` (except
+  on a '16-mixed' overflow step, which the gradient scaler skips on every rank anyway).
+- precision strings: see `api.precision` (forward context as hooks on the model, the scaler's
+  global inf check).
 - a tuple `device_mesh` is checked against the world size by us, on CPU and CUDA alike.
 - unknown `**kwargs` are a `TypeError` (torch FSDP1 options that have an equivalent here say
   which), never dropped.
@@ -40,6 +43,7 @@ from fullshard.api.optimizer_setup import (
     check_rebindable,
     repoint,
 )
+from fullshard.api.precision import Precision
 from fullshard.config import (
     CPUOffload,
     MixedPrecision,
@@ -188,6 +192,7 @@ class FSDPStrategy:
         self.cpu_offload = CPUOffload.coerce(cpu_offload)
         self.mixed_precision = MixedPrecision.coerce(mixed_precision)
         self._precision = resolve_precision(precision) if precision is not None else None
+        self._precision_plugin: Precision | None = None
 
         if accelerator is not None and accelerator not in ("cpu", "cuda", "gpu"):
             raise ValueError(
@@ -228,6 +233,14 @@ class FSDPStrategy:
     @precision.setter
     def precision(self, value: str | int | None) -> None:
         self._precision = resolve_precision(value) if value is not None else None
+
+    @property
+    def precision_plugin(self) -> Precision:
+        """The precision string's contexts, conversions and ('16-mixed') gradient scaler."""
+        plugin = self._precision_plugin
+        if plugin is None or plugin.precision != self.precision:
+            plugin = self._precision_plugin = Precision(self.precision, self.root_device)
+        return plugin
 
     @property
     def mixed_precision_config(self) -> MixedPrecision | None:
@@ -396,6 +409,7 @@ class FSDPStrategy:
         """Shard `module` in place with this strategy's options and return it."""
         if isinstance(module, FullyShardedModule):
             return module
+        self.precision_plugin.convert_module(module)
         options: dict[str, Any] = dict(
             device=self.root_device,
             sharding_strategy=self._plan.name,
@@ -407,6 +421,7 @@ class FSDPStrategy:
             **self._engine_kwargs,
         )
         wrapped = fsdp(module, **options)
+        self.precision_plugin.install_forward_hooks(wrapped)
         self._modules.append(weakref.ref(wrapped))
         return wrapped
 
@@ -434,6 +449,7 @@ class FSDPStrategy:
         new = dict(module.named_parameters(remove_duplicate=False))
         for opt in optimizers:
             repoint(opt, names_of, new)
+            self.precision_plugin.setup_optimizer(opt)
         return module, optimizers, scheduler
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -442,7 +458,7 @@ class FSDPStrategy:
         known = {id(p) for ref in self._modules if (m := ref()) is not None
                  for p in m.parameters()}
         check_holds_only(optimizer, known)
-        return optimizer
+        return self.precision_plugin.setup_optimizer(optimizer)
 
     def module_to_device(self, module: nn.Module) -> None:
         """No-op: setting the module up places its shards on `root_device`."""
@@ -453,6 +469,7 @@ class FSDPStrategy:
         stack = contextlib.ExitStack()
         if empty_init:
             stack.enter_context(torch.device("meta"))
+        stack.enter_context(self.precision_plugin.module_init_context())
         stack.enter_context(self.module_sharded_context())
         return stack
 
@@ -471,7 +488,7 @@ class FSDPStrategy:
     # -- training-loop helpers --------------------------------------------------------------
     def backward(self, tensor: torch.Tensor, module: nn.Module | None = None, *args: Any,
                  **kwargs: Any) -> None:
-        tensor.backward(*args, **kwargs)
+        self.precision_plugin.backward(tensor, *args, **kwargs)
 
     def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
         return optimizer.step(**kwargs)
@@ -501,6 +518,8 @@ class FSDPStrategy:
         Every rank gets the same norm, so with `error_if_nonfinite` they all raise together.
         """
         module = self._wrapped(module, "clip_gradients_norm")
+        if self.precision_plugin.unscale_for_clipping(optimizer, "clip_gradients_norm"):
+            error_if_nonfinite = False  # an overflow step: skipped, not an error
         group = module.fullshard_runtime.mesh.shard  # type: ignore[attr-defined]
         norm_type = float(norm_type)
         grads = [p.grad for p in module.parameters() if p.grad is not None]
@@ -512,6 +531,7 @@ class FSDPStrategy:
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer | None,
                              clip_val: float) -> None:
         """Clamp every gradient element to `[-clip_val, clip_val]` (exact on shards)."""
+        self.precision_plugin.unscale_for_clipping(optimizer, "clip_gradients_value")
         torch.nn.utils.clip_grad_value_(module.parameters(), clip_val)
 
     # -- collectives for the user -----------------------------------------------------------
@@ -556,20 +576,26 @@ class FSDPStrategy:
         storage_options: Any = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
-        """Save `state` ({'model': model, 'optimizer': opt, ...}); collective: every rank calls.
+        """Save `state` ({'model': model, 'optimizer': opt, ...}) in `state_dict_type`'s format.
 
-        'full': one file written by rank 0 (unsharded model state under the original names,
-        optimizer state keyed by parameter name). 'sharded': a directory with `rank{r}.pt` per
-        rank and `meta.pt`. Either is written under a temporary name and renamed into place.
+        **Collective: every rank must call it** (not only under `if rank == 0:`); a call made
+        on some ranks only warns after a while and raises a `TimeoutError` after `timeout`,
+        instead of hanging. 'sharded': a directory of `torch.distributed.checkpoint` shards
+        plus `meta.pt`, loadable on any world size or strategy; 'full': one file written by
+        rank 0 (original names, optimizer state keyed by parameter name). Written under a
+        temporary name and renamed into place once complete. See `fullshard.checkpoint`.
         """
-        from fullshard.api import checkpoint_io
+        from fullshard.checkpoint import save_checkpoint
 
         if storage_options is not None:
             raise TypeError(
                 "FSDPStrategy.save_checkpoint(..., storage_options=...) is not supported: the "
                 "strategy writes its files itself."
             )
-        checkpoint_io.save(self, path, state, self._state_dict_type, filter)
+        # How long the call waits for the other ranks to call it too: the group's timeout.
+        timeout = self._timeout.total_seconds() if self._timeout is not None else 1800.0
+        save_checkpoint(path, state, state_dict_type=self._state_dict_type, filter=filter,
+                        timeout=timeout)
 
     def load_checkpoint(
         self,
@@ -577,11 +603,12 @@ class FSDPStrategy:
         state: dict[str, Any] | nn.Module | None = None,
         strict: bool = True,
     ) -> dict[str, Any]:
-        """Load a checkpoint (either format, detected from the path) into `state` in place;
-        return the checkpoint's entries that `state` did not ask for."""
-        from fullshard.api import checkpoint_io
+        """Load a checkpoint (either format, detected from disk; any world size) into `state`
+        in place; return the checkpoint's entries that `state` did not ask for. Collective."""
+        from fullshard.checkpoint import load_checkpoint
 
-        return checkpoint_io.load(self, path, state, strict)
+        timeout = self._timeout.total_seconds() if self._timeout is not None else 1800.0
+        return load_checkpoint(path, state, strict=strict, timeout=timeout)
 
     def __repr__(self) -> str:
         return (

@@ -6,6 +6,10 @@ turn (moving it to CPU as it arrives when asked), so at most one full parameter 
 besides what the caller keeps -- with `rank0_only` the other ranks keep nothing.
 `load_full_state_dict` does the reverse without communication: every rank copies its own
 rows out of the full tensors (which may be memory-mapped, so only those rows are read).
+
+`gather_rows` and `own_rows` are the two halves of that, for any tensor laid out like a
+parameter's local shard; `fullshard.checkpoint` uses them for optimizer state too, so the
+engine's full state dict and the full checkpoint format share one implementation.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 from torch import nn
 
 from fullshard.distributed import comm
+from fullshard.engine.layout import ShardLayout
 from fullshard.engine.module import runtime_of
 from fullshard.engine.sharded_param import ShardedParam
 
@@ -49,7 +54,7 @@ def full_state_dict(
         elif id(value) in gathered:  # a tied parameter under a second name
             tensor = gathered[id(value)]
         else:
-            tensor = _gather_param(sp, runtime.mesh.shard)
+            tensor = gather_rows(sp.param.detach(), sp.layout, runtime.mesh.shard)
             if cpu_offload:
                 tensor = tensor.cpu()
             gathered[id(value)] = tensor
@@ -60,14 +65,28 @@ def full_state_dict(
     return out
 
 
-def _gather_param(sp: ShardedParam, group: comm.Group) -> torch.Tensor:
-    layout = sp.layout
-    shard = sp.param.detach()
-    padded = shard.new_zeros(layout.padded_shard_shape)
-    padded[: layout.local_rows].copy_(shard)
-    full = shard.new_empty((layout.padded_numel,))
+@torch.no_grad()
+def gather_rows(local: torch.Tensor, layout: ShardLayout, group: comm.Group) -> torch.Tensor:
+    """The unsharded tensor (shape `layout.shape`) whose rows `layout` spreads over `group`,
+    given this rank's real rows `local` (shape `layout.local_shape`: a parameter's shard, or
+    optimizer state shaped like it). Collective over `group`; a new tensor on every rank.
+
+    On NCCL a host-resident `local` (CPU offload) is gathered on the current CUDA device.
+    """
+    if "nccl" in group.backend and local.device.type != "cuda":
+        local = local.to(torch.device("cuda", torch.cuda.current_device()))
+    padded = local.new_zeros(layout.padded_shard_shape)
+    padded[: layout.local_rows].copy_(local)
+    full = local.new_empty((layout.padded_numel,))
     comm.all_gather(full, padded.reshape(-1), group)
     return full[: layout.numel].view(layout.shape).clone()
+
+
+def own_rows(full: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+    """The rows of the unsharded `full` that this rank owns (a view, shape
+    `layout.local_shape`); on a memory-mapped tensor only those rows are ever read."""
+    start, stop = layout.owned
+    return full.reshape(layout.dim0, *layout.rest)[start:stop]
 
 
 @torch.no_grad()
@@ -111,7 +130,5 @@ def load_full_state_dict(
                 f"load_full_state_dict: {key!r} has shape {tuple(value.shape)} in the state "
                 f"dict but the model's parameter is {tuple(layout.shape)} (unsharded)."
             )
-        start, stop = layout.owned
-        rows = value.reshape(layout.dim0, *layout.rest)[start:stop]
-        sp.param.copy_(rows)
+        sp.param.copy_(own_rows(value, layout))
     return missing, unexpected

@@ -1,0 +1,312 @@
+"""`save_checkpoint` / `load_checkpoint`: the collective entry points over both formats.
+
+Saving and loading are **collective**: every rank of the default process group must call them,
+with the same keys in `state` (a common mistake is `if rank == 0: save(...)`). Both start with
+a rendezvous through the process group's key-value store (no collective), so a call made on
+some ranks only does not hang in a collective: after `timeout / 2` seconds (at most 60) the
+waiting rank warns, naming the ranks that have not called, and after `timeout` seconds it
+raises a `TimeoutError` saying that saving is collective. In a process without a process group
+both work alone (a plain module, or loading a sharded checkpoint into one process).
+
+The save sequence (see `atomic` for the crash-safety argument):
+  1. rank 0's absolute path and a fresh temporary name are broadcast;
+  2. every rank builds its part without communicating (user `state_dict()` calls, filters) and
+     all ranks agree -- on success and on what they are about to save, so a rank with other
+     keys or other optimizer state fails loudly here instead of hanging in a collective later;
+  3. the data is written under the temporary name (sharded: every rank through DCP, then
+     rank 0 `meta.pt` with the size of every file; full: rank 0 one file, gathered first);
+  4. all ranks agree that it is complete, then rank 0 renames it into place.
+A failure anywhere raises on every rank and leaves the target as it was.
+
+Loading detects the format from what is on disk: a directory with `meta.pt` is sharded, a
+file is full (either format loads into either kind of model). It restores in place every
+module, optimizer and stateful object in `state`, puts plain values into `state`, and returns
+the checkpoint's entries `state` did not ask for. For a sharded checkpoint those are the
+entries of `meta.pt`; sharded modules or optimizers that `state` does not name are not read.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from fullshard.checkpoint import atomic, full, objects, sharded
+from fullshard.checkpoint.objects import Filter
+from fullshard.distributed import comm
+
+STATE_DICT_TYPES = ("sharded", "full")
+DEFAULT_TIMEOUT = 1800.0
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    state: Mapping[str, Any],
+    *,
+    state_dict_type: str = "sharded",
+    filter: Filter | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> Path:
+    """Save `state` ({'model': model, 'optimizer': optimizer, 'step': 3, ...}) to `path`.
+
+    Collective: every rank calls it. `state_dict_type='sharded'` writes a directory (DCP
+    shards + `meta.pt`), `'full'` one file written by rank 0. `filter` maps a state key to
+    `callable(name, value) -> bool` selecting the items to keep. Returns the absolute path.
+    """
+    if state_dict_type not in STATE_DICT_TYPES:
+        raise ValueError(
+            f"Unknown state_dict_type {state_dict_type!r}; use 'sharded' (a directory, one "
+            f"file per rank, reloadable on any world size) or 'full' (one file)."
+        )
+    if not isinstance(state, Mapping) or not state:
+        raise TypeError(
+            f"save_checkpoint needs a non-empty dict of what to save, e.g. state={{'model': "
+            f"model, 'optimizer': optimizer}}; got {type(state).__name__}: {state!r:.80}"
+        )
+    objects.check_filter(filter, state)
+    group = atomic.world()
+    _guard(group, "save_checkpoint", timeout)
+    target = _shared_path(path, group)
+    token = atomic.new_token(group)
+    tmp = atomic.temp_path(target, token)
+    rank0 = full.keep_here(group)
+    if state_dict_type == "full":
+        _save_full(target, tmp, token, state, filter, group, rank0)
+    else:
+        _save_sharded(target, tmp, token, state, filter, group, rank0)
+    return target
+
+
+def _save_full(target: Path, tmp: Path, token: str, state: Mapping[str, Any],
+               filter: Filter | None, group: comm.Group | None, rank0: bool) -> None:
+    error: BaseException | None = None
+    try:
+        if target.is_dir() and not sharded.is_checkpoint_dir(target):
+            raise IsADirectoryError(
+                f"The checkpoint path {str(target)!r} is a directory that is not a checkpoint; "
+                f"a full checkpoint is one file. Choose another path."
+            )
+        shape = _structure(state)
+        local = full.local_entries(state)
+    except Exception as e:
+        error, shape, local = e, None, {}
+    _agree_on(group, error, shape, "save_checkpoint (preparing)")
+    ckpt = full.gather(state, filter, keep=rank0, local=local)  # collective
+    try:
+        if rank0:
+            atomic.remove_stale(target)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            atomic.save_file(ckpt, tmp)
+    except Exception as e:
+        error = e
+    del ckpt
+    _finish(target, tmp, token, group, error, rank0)
+
+
+def _save_sharded(target: Path, tmp: Path, token: str, state: Mapping[str, Any],
+                  filter: Filter | None, group: comm.Group | None, rank0: bool) -> None:
+    error: BaseException | None = None
+    flat: dict[str, Any] = {}
+    meta: dict[str, Any] = {}
+    shape = None
+    try:
+        if (target.is_dir() and not sharded.is_checkpoint_dir(target)
+                and any(target.iterdir())):
+            raise IsADirectoryError(
+                f"The checkpoint path {str(target)!r} is a non-empty directory that is not a "
+                f"checkpoint; saving would replace it. Choose another path."
+            )
+        flat, meta = sharded.plan(state, filter)
+        shape = sharded.signature(meta)
+        if rank0:
+            atomic.remove_stale(target)
+            tmp.mkdir(parents=True)
+    except Exception as e:
+        error = e
+    _agree_on(group, error, shape, "save_checkpoint (preparing)")
+    try:
+        sharded.write(tmp, flat, group)  # collective; a failure raises on every rank
+        if rank0:
+            sharded.finish_meta(tmp, meta)
+    except BaseException as e:
+        if isinstance(e, sharded.CheckpointError):
+            if rank0:
+                atomic.remove(tmp)
+            raise
+        error = e
+    _finish(target, tmp, token, group, error, rank0)
+
+
+def _finish(target: Path, tmp: Path, token: str, group: comm.Group | None,
+            error: BaseException | None, rank0: bool) -> None:
+    """Agree that every part is written, then rename into place (rank 0) and agree on that."""
+    try:
+        atomic.agree(group, error, f"save_checkpoint({str(target)!r}) while writing")
+        if rank0:
+            try:
+                if tmp.is_dir():
+                    atomic.fsync_dir(tmp)
+                atomic.commit(tmp, target, token)
+            except Exception as e:
+                error = e
+        atomic.agree(group, error, f"save_checkpoint({str(target)!r}) while renaming")
+    except BaseException:
+        if rank0:
+            atomic.remove(tmp)
+        raise
+
+
+def _structure(state: Mapping[str, Any]) -> Any:
+    """What the ranks must agree on before the full format's collectives: the keys, their
+    kinds, and which optimizer state exists (each sharded tensor is one gather)."""
+    out = []
+    for key, obj in state.items():
+        kind = objects.kind_of(obj)
+        extra: Any = None
+        if kind == objects.OPTIMIZER:
+            sd = obj.state_dict()["state"]
+            extra = sorted((i, tuple(sorted(e))) for i, e in sd.items())
+        elif kind == objects.MODULE:
+            extra = objects.is_sharded(obj)
+        out.append((key, kind, extra))
+    return out
+
+
+def _agree_on(group: comm.Group | None, error: BaseException | None, shape: Any,
+              what: str) -> None:
+    """`atomic.agree`, and every rank's `shape` must equal rank 0's."""
+    if group is None:
+        if error is not None:
+            raise error
+        return
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    reports = comm.all_gather_object((mine, shape), group)
+    if error is not None:
+        raise error
+    failed = {r: t for r, (t, _) in zip(group.ranks, reports) if t is not None}
+    if failed:
+        detail = "; ".join(f"rank {r}: {t}" for r, t in failed.items())
+        raise RuntimeError(f"{what} failed on rank(s) {', '.join(map(str, failed))}: {detail}")
+    differ = [r for r, (_, s) in zip(group.ranks, reports) if s != reports[0][1]]
+    if differ:
+        raise ValueError(
+            f"{what}: rank(s) {', '.join(map(str, differ))} are saving a different state than "
+            f"rank {group.ranks[0]} (other keys, or optimizer state for other parameters): "
+            f"{_first_difference(reports[0][1], reports[group.ranks.index(differ[0])][1])}. "
+            f"Every rank must save the same keys and objects."
+        )
+
+
+def _first_difference(a: Any, b: Any) -> str:
+    text_a, text_b = repr(a), repr(b)
+    i = next((i for i, (x, y) in enumerate(zip(text_a, text_b)) if x != y),
+             min(len(text_a), len(text_b)))
+    return f"...{text_a[max(0, i - 40):i + 40]}... vs ...{text_b[max(0, i - 40):i + 40]}..."
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    state: dict[str, Any] | nn.Module | None = None,
+    *,
+    strict: bool = True,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> dict[str, Any]:
+    """Load the checkpoint at `path` (format detected from disk) into `state` in place and
+    return its entries that `state` did not ask for. Collective.
+
+    `state` may be a dict (modules, optimizers, stateful objects, values), a single module
+    (its weights only), or None (returns the whole checkpoint as a full-format dict; for a
+    sharded checkpoint every rank then reads all of it). `strict=False` tolerates keys missing
+    on either side and warns about them.
+    """
+    group = atomic.world()
+    _guard(group, "load_checkpoint", timeout)
+    path = _shared_path(path, group)
+    if sharded.is_checkpoint_dir(path):
+        fmt = "sharded"
+    elif path.is_file():
+        fmt = "full"
+    elif path.is_dir():
+        raise ValueError(
+            f"The path {str(path)!r} does not point to a valid checkpoint: "
+            f"{sharded.describe_dir(path)}. Expected a directory with meta.pt (sharded) or "
+            f"a single file (full)."
+        )
+    else:
+        raise FileNotFoundError(
+            f"No checkpoint at {str(path)!r}.{atomic.describe_missing(path)}"
+        )
+    if state is None:
+        if fmt == "full":
+            return full.read(path)
+        from fullshard.checkpoint.consolidate import to_full
+
+        return to_full(path)
+    if isinstance(state, nn.Module):
+        return _load_module_only(path, fmt, state, strict, group)
+    if not isinstance(state, dict):
+        raise TypeError(
+            f"load_checkpoint(state=...) takes a dict of the objects to restore, a module, or "
+            f"None; got {type(state).__name__}."
+        )
+    if fmt == "full":
+        return full.load(full.read(path), state, strict, path)
+    return sharded.load(path, sharded.read_meta(path), state, strict, group)
+
+
+def _load_module_only(path: Path, fmt: str, module: nn.Module, strict: bool,
+                      group: comm.Group | None) -> dict[str, Any]:
+    if fmt == "sharded":
+        meta = sharded.read_meta(path)
+        keys = list(meta["modules"])
+        if len(keys) != 1:
+            raise ValueError(
+                f"The checkpoint {str(path)!r} holds {len(keys)} modules ({keys}); pass "
+                f"state={{key: module}} to say which to load."
+            )
+        sharded.load(path, meta, {keys[0]: module}, strict, group)
+        return {}
+    ckpt = full.read(path)
+    candidates = [k for k, v in ckpt.items() if isinstance(v, Mapping)]
+    if all(not isinstance(v, Mapping) for v in ckpt.values()):
+        sd: Any = ckpt  # a bare state dict: torch.save(model.state_dict(), path)
+    elif "model" in ckpt and isinstance(ckpt["model"], Mapping):
+        sd = ckpt["model"]
+    elif len(candidates) == 1:
+        sd = ckpt[candidates[0]]
+    else:
+        raise ValueError(
+            f"The checkpoint {str(path)!r} holds several dicts ({candidates}); pass "
+            f"state={{key: module}} to say which is the module's state dict."
+        )
+    full.load_module(module, sd, strict, "model")
+    return {}
+
+
+def _shared_path(path: str | os.PathLike, group: comm.Group | None) -> Path:
+    """Rank 0's path, made absolute, on every rank."""
+    mine = str(Path(os.fspath(path)).expanduser().absolute())
+    if group is None:
+        return Path(mine)
+    return Path(comm.broadcast_pickled(mine, group.ranks[0], group))
+
+
+def _guard(group: comm.Group | None, name: str, timeout: float) -> None:
+    """Fail clearly, not hang, when only some ranks call `name` (see the module docstring)."""
+    if group is None:
+        return
+
+    def slow(missing: list[int]) -> None:
+        warnings.warn(
+            f"{name}: rank {group.rank} has waited {warn_after:.0f}s for rank(s) "
+            f"{', '.join(map(str, missing))} to call it too. {name} is collective: every rank "
+            f"must call it (not only `if rank == 0:`). Giving up after {timeout:.0f}s.",
+            stacklevel=4,
+        )
+
+    warn_after = min(60.0, timeout / 2)
+    comm.rendezvous(name, timeout=timeout, warn_after=warn_after, on_slow=slow)
