@@ -13,13 +13,12 @@ strings), `table.py` (the result), `api.py` (`plan()`), `command.py` (the CLI su
 """
 
 from fullshard.planner.api import plan
-from fullshard.planner.model_spec import BUILTIN_CONFIGS, DEMO_CONFIG, build_demo_model
+from fullshard.planner.model_spec import BUILTIN_CONFIGS, build_demo_model
 from fullshard.planner.sizes import format_bytes, parse_bytes
 from fullshard.planner.table import PlanRow, PlanTable
 
 __all__ = [
     "BUILTIN_CONFIGS",
-    "DEMO_CONFIG",
     "PlanRow",
     "PlanTable",
     "build_demo_model",

@@ -7,7 +7,7 @@ Built-in configs (`BUILTIN_CONFIGS`), each wrapped per transformer block:
 | name        | model                                        | params (Psi) |
 |-------------|----------------------------------------------|--------------|
 | `tiny`      | `TinyGPT()` of `fullshard.testing.models`     | ~7.6 K       |
-| `demo`      | `TinyGPT` with `DEMO_CONFIG` (bytes vocab)    | ~0.83 M      |
+| `demo`      | the model `fullshard demo` trains (bytes)     | ~0.83 M      |
 | `llama-7b`  | Llama: 32 x 4096, SwiGLU 11008, vocab 32000   | 6.74 B       |
 | `llama-13b` | Llama: 40 x 5120, SwiGLU 13824, vocab 32000   | 13.0 B       |
 | `llama-70b` | Llama: 80 x 8192, GQA 8 kv heads, SwiGLU 28672| 69.0 B       |
@@ -30,21 +30,19 @@ from torch import nn
 
 from fullshard.planner.models import Llama, LlamaConfig
 
-DEMO_CONFIG = {"vocab": 256, "dim": 128, "layers": 4, "heads": 4, "seq": 64}
-"""The `demo` config: the byte-level GPT `fullshard demo` trains (`TinyGPT` keyword arguments,
-the defaults of `fullshard.demo.train.DemoConfig`)."""
-
 
 def build_demo_model(**overrides: int) -> nn.Module:
-    """The `demo` model (`TinyGPT(**DEMO_CONFIG)`, any field overridable), on the current
-    default device."""
-    from fullshard.testing.models import TinyGPT
+    """The model `fullshard demo` trains (its `DemoConfig`, any field overridable), on the
+    current default device."""
+    import dataclasses
 
-    unknown = set(overrides) - set(DEMO_CONFIG)
+    from fullshard.demo.train import DemoConfig, build_model
+
+    fields = {"dim", "layers", "heads", "seq"}
+    unknown = set(overrides) - fields
     if unknown:
-        raise ValueError(f"Unknown demo config field(s) {sorted(unknown)}; "
-                         f"valid: {sorted(DEMO_CONFIG)}")
-    return TinyGPT(**{**DEMO_CONFIG, **overrides})
+        raise ValueError(f"Unknown demo config field(s) {sorted(unknown)}; valid: {sorted(fields)}")
+    return build_model(dataclasses.replace(DemoConfig(), **overrides))
 
 
 def _tiny() -> nn.Module:

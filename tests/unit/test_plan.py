@@ -14,7 +14,7 @@ from torch import nn
 
 import fullshard
 from fullshard.cli import main
-from fullshard.planner import DEMO_CONFIG, parse_bytes
+from fullshard.planner import parse_bytes
 from fullshard.planner.models import LlamaConfig
 
 PSI_7B = 6_738_415_616
@@ -231,15 +231,6 @@ def test_factory_path_callable_and_module_instance():
     assert root_only.units.startswith("root")
     by_name = fullshard.plan(make_net, world_sizes=(2,), auto_wrap_policy=["_Layer"])
     assert by_name.units == "root + 3 x _Layer"
-
-
-def test_demo_config_matches_the_demo():
-    demo = pytest.importorskip("fullshard.demo.train")
-    cfg = demo.DemoConfig()
-    assert {k: getattr(cfg, k) for k in ("dim", "layers", "heads", "seq")} == {
-        k: DEMO_CONFIG[k] for k in ("dim", "layers", "heads", "seq")
-    }
-    assert DEMO_CONFIG["vocab"] == demo.VOCAB
 
 
 def test_llama_70b_plans_in_seconds():
