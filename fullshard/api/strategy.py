@@ -24,7 +24,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
@@ -44,11 +43,16 @@ from fullshard.api.optimizer_setup import (
     repoint,
 )
 from fullshard.api.precision import Precision
+from fullshard.api.strategy_args import (
+    as_timeout,
+    check_engine_kwargs,
+    merge_checkpointing_arguments,
+    reduce_op_of,
+)
 from fullshard.config import (
     CPUOffload,
     MixedPrecision,
     mixed_precision_for,
-    resolve_bucketing_strategy,
     resolve_precision,
     resolve_sharding_strategy,
 )
@@ -57,32 +61,6 @@ from fullshard.distributed.environment import ClusterEnvironment, detect_environ
 from fullshard.distributed.mesh import check_mesh_shape, is_device_mesh
 from fullshard.engine.module import FullyShardedModule
 from fullshard.engine.wrap import normalize_policy
-
-ENGINE_OPTIONS = (
-    "bucketing_strategy",
-    "prefetch_limit",
-    "max_pending_reductions",
-    "broadcast_from",
-    "move_state_dict_to_cpu",
-)
-_TORCH_FSDP_HINTS = {
-    "use_orig_params": "fullshard always exposes the original parameters (as shards); drop it",
-    "limit_all_gathers": "use prefetch_limit=N (units gathered ahead of the running one)",
-    "forward_prefetch": "use prefetch_limit=N",
-    "backward_prefetch": "use prefetch_limit=N",
-    "sync_module_states": "use broadcast_from=0",
-    "process_group": "use device_mesh=(replicate, shard) or a DeviceMesh with HYBRID_SHARD",
-    "param_init_fn": "build the model under fabric.init_module(empty_init=True); modules are "
-    "materialized with their reset_parameters()",
-    "device_id": "the device follows the local rank (FSDPStrategy.root_device)",
-}
-_REDUCE_OPS = {
-    "sum": dist.ReduceOp.SUM,
-    "max": dist.ReduceOp.MAX,
-    "min": dist.ReduceOp.MIN,
-    "product": dist.ReduceOp.PRODUCT,
-    "prod": dist.ReduceOp.PRODUCT,
-}
 
 
 class FSDPStrategy:
@@ -131,22 +109,7 @@ class FSDPStrategy:
         device_mesh: tuple[int, int] | object | None = None,
         **kwargs: Any,
     ) -> None:
-        unknown = [k for k in kwargs if k not in ENGINE_OPTIONS]
-        if unknown:
-            hints = "".join(
-                f"\n  {k}: {_TORCH_FSDP_HINTS[k]}" for k in unknown if k in _TORCH_FSDP_HINTS
-            )
-            raise TypeError(
-                f"FSDPStrategy got unexpected keyword argument(s) {', '.join(map(repr, unknown))}."
-                f" Engine options accepted as keywords: {', '.join(ENGINE_OPTIONS)}.{hints}"
-            )
-        if "bucketing_strategy" in kwargs:
-            resolve_bucketing_strategy(kwargs["bucketing_strategy"])
-        for name in ("prefetch_limit", "max_pending_reductions"):
-            value = kwargs.get(name, 1)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"FSDPStrategy({name}=...) must be an int >= 0, got {value!r}")
-        self._engine_kwargs = dict(kwargs)
+        self._engine_kwargs = check_engine_kwargs(kwargs)
 
         self._plan = resolve_sharding_strategy(sharding_strategy)
         if device_mesh is not None:
@@ -168,22 +131,9 @@ class FSDPStrategy:
             )
         self._state_dict_type = state_dict_type
 
-        if activation_checkpointing is not None and activation_checkpointing_policy is not None:
-            raise ValueError(
-                "You cannot set both `activation_checkpointing` and "
-                "`activation_checkpointing_policy`. Use the latter."
-            )
-        if activation_checkpointing is not None:
-            warnings.warn(
-                "FSDPStrategy(activation_checkpointing=...) is deprecated; use "
-                "activation_checkpointing_policy={...module classes...}.",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            classes = activation_checkpointing
-            if isinstance(classes, type):
-                classes = [classes]
-            activation_checkpointing_policy = set(classes)  # type: ignore[arg-type]
+        activation_checkpointing_policy = merge_checkpointing_arguments(
+            activation_checkpointing, activation_checkpointing_policy
+        )
         normalize_policy(auto_wrap_policy)  # TypeError early for a malformed policy
         normalize_policy(activation_checkpointing_policy)
         self.auto_wrap_policy = auto_wrap_policy
@@ -207,11 +157,7 @@ class FSDPStrategy:
                 f"{process_group_backend!r}"
             )
         self._process_group_backend = process_group_backend
-        if timeout is not None and not isinstance(timeout, timedelta):
-            if isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout > 0:
-                timeout = timedelta(seconds=timeout)
-            else:
-                raise TypeError(f"timeout must be a datetime.timedelta, got {timeout!r}")
+        timeout = as_timeout(timeout)
         self._timeout = timeout
         self._num_nodes = 1
         self._launcher: Any = None
@@ -549,7 +495,7 @@ class FSDPStrategy:
         """
         if not isinstance(tensor, torch.Tensor) or not dist.is_initialized():
             return tensor
-        op, mean = _reduce_op(reduce_op)
+        op, mean = reduce_op_of(reduce_op)
         g = self._group(group)
         if mean and not tensor.is_floating_point():
             tensor = tensor.float()
@@ -630,19 +576,3 @@ def _destroy_process_group() -> None:
     except Exception:  # noqa: BLE001 - a peer is gone; nothing left to wait for
         pass
     dist.destroy_process_group()
-
-
-def _reduce_op(reduce_op: object) -> tuple[Any, bool]:
-    if isinstance(reduce_op, str):
-        key = reduce_op.lower()
-        if key in ("mean", "avg"):
-            return dist.ReduceOp.SUM, True
-        if key in _REDUCE_OPS:
-            return _REDUCE_OPS[key], False
-        raise ValueError(
-            f"reduce_op={reduce_op!r} is not supported; use 'mean', 'sum', 'max', 'min', "
-            f"'product' or a torch.distributed.ReduceOp."
-        )
-    if reduce_op == dist.ReduceOp.AVG:
-        return dist.ReduceOp.SUM, True
-    return reduce_op, False
