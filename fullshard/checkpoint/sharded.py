@@ -54,7 +54,7 @@ _MESHES: dict[tuple[Any, ...], Any] = {}
 
 
 def _mesh(group: comm.Group) -> Any:
-    """A 1-D DeviceMesh over the shard-axis group (cached: building one is not free)."""
+    """A 1-D DeviceMesh over the shard-axis group (cached within one save or load)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -264,6 +264,12 @@ def _dcp_call(fn: Callable[[], Any], what: str) -> Any:
             return fn()
         except CheckpointException as e:  # a BaseException: `except Exception` misses it
             raise CheckpointError(f"torch.distributed.checkpoint failed {what}: {e}") from None
+        finally:
+            # A cached DeviceMesh keeps its process group alive past destroy_process_group();
+            # gloo then tears the group down during interpreter exit, where its threads abort
+            # the process ("terminate called without an active exception"). Keep meshes only
+            # for the duration of one save or load.
+            _MESHES.clear()
 
 
 def load(path: Path, meta: dict[str, Any], state: dict[str, Any], strict: bool,
