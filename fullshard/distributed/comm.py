@@ -296,16 +296,6 @@ def scatter(
     dist.scatter(output, chunks if dist.get_rank() == src else None, src=src, group=group.pg)
 
 
-def broadcast_object(obj: Any, src: int, group: Group) -> Any:
-    """Broadcast a picklable object from global rank `src`; returns it on every rank."""
-    if group.size == 1:
-        return obj
-    box = [obj]
-    _COUNTERS.add("broadcast", 0, 0)
-    dist.broadcast_object_list(box, src=src, group=group.pg)
-    return box[0]
-
-
 def all_gather_object(obj: Any, group: Group) -> list[Any]:
     """Every rank's picklable `obj`, in group-rank order."""
     if group.size == 1:
