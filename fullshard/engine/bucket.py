@@ -85,6 +85,25 @@ class Bucket:
         n = p.layout.padded_shard_numel
         return self.shard_flat[p.offset : p.offset + n].view(p.layout.padded_shard_shape)
 
+    def check_intact(self) -> None:
+        """Raise if a parameter no longer views this bucket's shards: replaced by
+        `param.data = ...`, `model.half()`, `load_state_dict(assign=True)` or a new Parameter
+        assigned to the module -- the engine would gather stale values and drop gradients."""
+        storage = self.shard_flat.untyped_storage().data_ptr()
+        for p in self.params:
+            replaced = p.param.untyped_storage().data_ptr() != storage or any(
+                module._parameters.get(name) is not p.param for module, name in p.refs
+            )
+            if replaced:
+                raise RuntimeError(
+                    f"Parameter {p.fqn!r} was replaced after fullshard.fsdp() wrapped the model "
+                    f"(e.g. by model.to(dtype)/.half(), `param.data = ...`, "
+                    f"load_state_dict(assign=True) or assigning a new nn.Parameter), so it no "
+                    f"longer holds this rank's shard. Change dtype, device or values before "
+                    f"wrapping, or copy into the parameter in place (param.data.copy_(...), "
+                    f"load_state_dict without assign)."
+                )
+
     @property
     def shard_size(self) -> int:
         return self.mesh.shard.size

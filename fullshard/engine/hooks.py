@@ -159,6 +159,9 @@ class Runtime:
             self._release(unit)
 
     def _begin_forward(self) -> None:
+        for unit in self.units:  # a few pointer comparisons per parameter and step
+            for bucket in unit.buckets:
+                bucket.check_intact()
         self.pass_id += 1
         if self.forward_order:
             self.forward_order_prev = self.forward_order

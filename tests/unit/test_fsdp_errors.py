@@ -165,3 +165,24 @@ def test_bad_int_options(world1, name, value):
 def test_max_pending_reductions_zero(world1):
     with pytest.raises(ValueError, match=r"max_pending_reductions must be >= 1"):
         fullshard.fsdp(_model(), device="cpu", max_pending_reductions=0)
+
+
+def _replace_data(model: nn.Module) -> None:
+    model[0].weight.data = model[0].weight.data.clone()
+
+
+def _assign_new_parameter(model: nn.Module) -> None:
+    model[2].bias = nn.Parameter(model[2].bias.detach().clone())
+
+
+@pytest.mark.parametrize(
+    "replace",
+    [lambda m: m.double(), _replace_data, _assign_new_parameter],
+    ids=["double", "param.data", "new Parameter"],
+)
+def test_replacing_a_parameter_after_wrapping_is_caught(world1, replace):
+    model = fullshard.fsdp(_model(), device="cpu")
+    model(torch.randn(2, 4)).sum().backward()  # fine before
+    replace(model)
+    with pytest.raises(RuntimeError, match=r"Parameter '.*' was replaced after fullshard.fsdp"):
+        model(torch.randn(2, 4, dtype=next(model.parameters()).dtype))
