@@ -8,6 +8,8 @@ with a message that says how to set things up instead.
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 from torch.optim import Optimizer
 
 
@@ -21,9 +23,14 @@ def check_no_meta(optimizer: Optimizer) -> None:
         )
 
 
-def check_rebindable(optimizer: Optimizer, names_of: dict[int, str]) -> None:
+def _foreign(optimizer: Optimizer, known: Container[int]) -> tuple[list, list]:
+    """(all parameters of `optimizer`, those whose id is not in `known`)."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    foreign = [p for p in params if id(p) not in names_of]
+    return params, [p for p in params if id(p) not in known]
+
+
+def check_rebindable(optimizer: Optimizer, names_of: dict[int, str]) -> None:
+    _, foreign = _foreign(optimizer, names_of)
     if foreign:
         raise ValueError(
             f"The optimizer holds {len(foreign)} parameter(s) that do not belong to the model "
@@ -42,8 +49,7 @@ def check_rebindable(optimizer: Optimizer, names_of: dict[int, str]) -> None:
 
 def check_holds_only(optimizer: Optimizer, known: set[int]) -> None:
     """Raise unless every parameter of `optimizer` is one of the shards whose ids are `known`."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    foreign = [p for p in params if id(p) not in known]
+    params, foreign = _foreign(optimizer, known)
     if foreign:
         raise ValueError(
             f"The optimizer holds {len(foreign)} of its {len(params)} parameters that are "

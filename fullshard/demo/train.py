@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +58,6 @@ class DemoResult:
     peak_unsharded_bytes: int
     checkpoint: str
     sample: str
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def build_model(cfg: DemoConfig) -> TinyGPT:

@@ -46,7 +46,9 @@ def full_state_dict(
     by_id = _params_by_id(model)
     keep = not rank0_only or runtime.mesh.world.rank == 0
     out: dict[str, torch.Tensor] = {}
-    gathered: dict[int, torch.Tensor] = {}
+    # Full tensors by parameter, for a tied parameter's second name. Ranks that keep nothing
+    # store nothing here either (but still join every gather exactly once per parameter).
+    gathered: dict[int, torch.Tensor | None] = {}
     for key, value in model.state_dict(keep_vars=True).items():
         sp = by_id.get(id(value))
         if sp is None:
@@ -55,13 +57,14 @@ def full_state_dict(
             tensor = gathered[id(value)]
         else:
             tensor = gather_rows(sp.param.detach(), sp.layout, runtime.mesh.shard)
-            if cpu_offload:
-                tensor = tensor.cpu()
-            gathered[id(value)] = tensor
+            gathered[id(value)] = tensor if keep else None
+        if not keep:
+            continue
         if isinstance(tensor, torch.Tensor) and cpu_offload:
             tensor = tensor.cpu()
-        if keep:
-            out[key] = tensor
+            if sp is not None:
+                gathered[id(value)] = tensor  # the tie's second name reuses the CPU copy
+        out[key] = tensor
     return out
 
 

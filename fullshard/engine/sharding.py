@@ -21,6 +21,7 @@ on the source rank -- are ever allocated at once):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -103,19 +104,14 @@ def shard_module(
     )
     for unit in units:
         unit.module.register_forward_pre_hook(
-            _bind(runtime.pre_forward, unit), prepend=True, with_kwargs=True
+            functools.partial(runtime.pre_forward, unit), prepend=True, with_kwargs=True
         )
-        unit.module.register_forward_hook(_bind(runtime.post_forward, unit), always_call=True)
+        unit.module.register_forward_hook(
+            functools.partial(runtime.post_forward, unit), always_call=True
+        )
     apply_activation_checkpointing(model, activation_checkpointing_policy, runtime)
     mark_wrapped(model, runtime)
     return runtime
-
-
-def _bind(method, unit):  # type: ignore[no-untyped-def]
-    def hook(*args):  # type: ignore[no-untyped-def]
-        return method(unit, *args)
-
-    return hook
 
 
 def _precision_dtypes(
