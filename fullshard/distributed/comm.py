@@ -18,7 +18,10 @@ Instead each rank exchanges chunks directly with every peer (`isend`/`irecv`, al
 once, matched by a per-group tag sequence): an all-gather sends our shard to each peer and
 receives theirs into place; a reduce-scatter sends peer j its chunk j and sums the N chunks of
 ours in rank order (so every rank's sum has the same rounding). Each rank sends exactly
-B·(N−1)/N bytes -- the ring optimum -- and the same 32 MB took ~14 ms either way. With many
+B·(N−1)/N bytes -- the ring optimum -- and the same 32 MB took ~14 ms either way. Both can
+work piece by piece: `all_gather(segments=)` lands each parameter's rows in place, and
+`reduce_scatter_segments` sends each peer its rows straight from every unpacked gradient (no
+packed copy, no padding on the wire: wire bytes count what is really sent). With many
 ranks this is N−1 messages per collective instead of a ring's pipeline; NCCL keeps its own
 collectives, which already are optimal.
 
@@ -253,6 +256,80 @@ def reduce_scatter(
     else:
         work = _reduce_scatter_into(output, input, group=group.pg, async_op=async_op)
         handle = CommHandle(work, refs=(output, input)) if async_op else _DONE
+    if not async_op:
+        handle.wait()
+        return _DONE
+    return handle
+
+
+def reduce_scatter_segments(
+    output: torch.Tensor,
+    inputs: Sequence[torch.Tensor],
+    sizes: Sequence[int],
+    group: Group,
+    *,
+    async_op: bool = False,
+) -> CommHandle:
+    """A reduce-scatter of tensors that were never packed (only where `gathers_segments(group)`).
+
+    `output` (this rank's result) is split into consecutive segments of `sizes`; `inputs[j]`
+    is a flat tensor of at most `group.size * sizes[j]` elements, read as `group.size` chunks
+    of `sizes[j]` (the last ones short or empty: what is missing counts as zero, e.g. the
+    padding rows of a parameter). Rank r's chunk of every input, summed over the group, lands
+    in segment j of rank r's `output`; the padding of each segment is zeroed.
+
+    Equal to `reduce_scatter` of the inputs packed rank-major, without the packing: each chunk
+    is sent straight from its input (only the real elements), so a gradient bucket costs no
+    copy before the wire. The sum is in rank order; on two ranks the peer's chunk is received
+    straight into `output` and ours added to it (a + b == b + a bit for bit). The inputs must
+    stay unmodified until `wait()` returns.
+    """
+    if not gathers_segments(group):
+        raise ValueError("reduce_scatter_segments needs gathers_segments(group)")
+    size, rank = group.size, group.rank
+    direct = size == 2
+    # Received chunks of the peers in rank order (row r - (r > rank)); none on two ranks.
+    received = None if direct else output.new_empty((size - 1, output.numel()))
+    flat_out = output.view(-1)
+    works, wire, offset, plan = [], 0, 0, []
+    for x, n in zip(inputs, sizes):
+        x = x.view(-1)
+
+        def real(r: int, x: torch.Tensor = x, n: int = n) -> int:
+            return max(0, min(n, x.numel() - r * n))
+
+        mine = real(rank)
+        tag = _next_tag(group)
+        for step in range(1, size):
+            dst, src = (rank + step) % size, (rank - step) % size
+            if real(dst) > 0:
+                chunk = x[dst * n : dst * n + real(dst)]
+                works.append(dist.isend(chunk, group.ranks[dst], group=group.pg, tag=tag))
+                wire += _nbytes(chunk)
+            if mine > 0:
+                into = flat_out if received is None else received[src - (src > rank)]
+                into = into[offset : offset + mine]
+                works.append(dist.irecv(into, group.ranks[src], group=group.pg, tag=tag))
+        plan.append((x[rank * n : rank * n + mine], offset, mine, n))
+        offset += n
+    if offset != flat_out.numel():
+        raise ValueError(f"segment sizes add up to {offset}, output has {flat_out.numel()}")
+    _COUNTERS.add("reduce_scatter", size * _nbytes(output), wire)
+
+    def sum_in_rank_order() -> None:
+        for own, start, mine, n in plan:
+            out = flat_out[start : start + mine]
+            if received is None:
+                out.add_(own)
+            elif mine > 0:
+                parts = [own if r == rank else received[r - (r > rank), start : start + mine]
+                         for r in range(size)]
+                torch.add(parts[0], parts[1], out=out)
+                for part in parts[2:]:
+                    out.add_(part)
+            flat_out[start + mine : start + n].zero_()
+
+    handle = CommHandle(works, on_done=sum_in_rank_order, refs=(output, tuple(inputs), received))
     if not async_op:
         handle.wait()
         return _DONE

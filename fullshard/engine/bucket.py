@@ -15,7 +15,10 @@ Memory layout (S = shard-axis size, L = sum of the params' padded shard sizes):
                           Otherwise (NCCL) one `split_with_sizes_copy` reorders it. With S == 1
                           nothing is gathered and the shards themselves are the unsharded data.
     reduce input (S*L,)   rank-major again, built from the unsharded gradients with zero padding
-                          (`torch._chunk_cat`), reduced over the shard axis into
+                          (`torch._chunk_cat`), reduced over the shard axis into -- except
+                          where the collective can send each rank's rows straight from the
+                          gradients (gloo, comm.reduce_scatter_segments): then the gradients
+                          themselves are held until the reduction is done, no packed copy.
     reduce output (L,)    this rank's summed padded gradient shards, all-reduced over the
                           replicate axis, divided by the data-parallel size; the parameters'
                           `.grad` are views of it (or are accumulated from it).
@@ -212,11 +215,24 @@ class Bucket:
 
     def start_reduce(self, grads: Sequence[torch.Tensor]) -> PendingReduction:
         """Issue the reduction of these unsharded gradients (plus any no_sync accumulation)."""
+        if self.accumulated_grad is None and comm.gathers_segments(self.mesh.shard):
+            return PendingReduction(self, unpacked=self._flat_grads(grads))
         packed = self._rank_major_grads(grads)
         if self.accumulated_grad is not None:
             packed.add_(self.accumulated_grad)
             self.accumulated_grad = None
-        return PendingReduction(self, packed)
+        return PendingReduction(self, packed=packed)
+
+    def _flat_grads(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The unsharded gradients as flat tensors in the reduce dtype, for a reduce-scatter
+        that sends each rank's rows straight from them (no packing). Usually views of
+        autograd's tensors: never modified, since autograd may hand one tensor to several
+        parameters. Counted while the reduction holds them."""
+        flats = []
+        for g in grads:
+            flat = g.reshape(-1).to(self.reduce_dtype)  # copies only if strided or cast
+            flats.append(track(flat, "grad"))
+        return flats
 
     def drop_accumulated_grad(self) -> None:
         self.accumulated_grad = None
@@ -226,32 +242,53 @@ class PendingReduction:
     """One bucket's gradient reduction in flight: reduce-scatter on the shard axis, then
     all-reduce on the replicate axis, then average and hand to `.grad`.
 
+    The gradients come either `packed` rank-major (S * L, see `Bucket._rank_major_grads`) or
+    `unpacked`: one flat tensor per parameter, sent chunk by chunk where the backend allows
+    (`comm.reduce_scatter_segments`), which saves writing and reading the whole packed copy.
+
     Averaging: the sum is divided by the data-parallel size after the reduction, on the
     (1/S-sized) output. fp16 cannot hold large sums, so an fp16 reduction divides by
     sqrt(N) before and after instead.
     """
 
-    def __init__(self, bucket: Bucket, packed: torch.Tensor) -> None:
+    def __init__(
+        self,
+        bucket: Bucket,
+        *,
+        packed: torch.Tensor | None = None,
+        unpacked: list[torch.Tensor] | None = None,
+    ) -> None:
         self.bucket = bucket
         mesh = bucket.mesh
         world = mesh.data_parallel_size
-        self._pre = math.sqrt(world) if packed.dtype == torch.float16 and world > 1 else 1.0
-        if self._pre != 1.0:
-            packed.div_(self._pre)
-        self._packed: torch.Tensor | None = packed
+        self._pre = math.sqrt(world) if bucket.reduce_dtype == torch.float16 and world > 1 else 1.0
+        if packed is not None:
+            if self._pre != 1.0:
+                packed.div_(self._pre)
+        else:
+            assert unpacked is not None and mesh.shard.size > 1
+            if self._pre != 1.0:  # out of place: autograd may share these tensors
+                unpacked = [track(g / self._pre, "grad") for g in unpacked]
         if mesh.shard.size == 1:
+            assert packed is not None
             self.output = packed  # already this rank's (only) chunk
             self._handle = comm.all_reduce(packed, mesh.replicate, async_op=True)
             self._replicate_pending = False
         else:
-            self.output = torch.empty(bucket.numel, dtype=packed.dtype, device=bucket.device)
-            self._handle = comm.reduce_scatter(self.output, packed, mesh.shard, async_op=True)
+            self.output = torch.empty(bucket.numel, dtype=bucket.reduce_dtype, device=bucket.device)
+            if packed is not None:
+                self._handle = comm.reduce_scatter(self.output, packed, mesh.shard, async_op=True)
+            else:
+                assert unpacked is not None
+                sizes = [p.layout.padded_shard_numel for p in bucket.params]
+                self._handle = comm.reduce_scatter_segments(
+                    self.output, unpacked, sizes, mesh.shard, async_op=True
+                )
             self._replicate_pending = mesh.replicate.size > 1
 
     def advance(self) -> bool:
         """Wait for the current stage; start the next. True once the result is final."""
-        self._handle.wait()
-        self._packed = None  # the reduce input is no longer needed
+        self._handle.wait()  # the handle held the reduce input until now
         if self._replicate_pending:
             self._replicate_pending = False
             self._handle = comm.all_reduce(self.output, self.bucket.mesh.replicate, async_op=True)

@@ -127,7 +127,7 @@ def plan(
                 optimizer_bytes=state.optimizer, working_set_bytes=working,
                 backward_scratch_bytes=scratch, activation_bytes=activations,
                 comm_bytes_by_kind=comm_bytes(structure, mesh, sp.reshard_after_forward,
-                                              precision_spec),
+                                              precision_spec, backend),
             )
             if budget_bytes is not None:
                 row = dataclasses.replace(row, fits=row.total_bytes <= budget_bytes)

@@ -24,7 +24,11 @@ compute (gather) and reduce dtype sizes, on a `(R, S)` mesh:
 
     all-gather      g * L * c * (S - 1)       g = 2 under ZeRO-3 (forward, and again for
                                               backward), 1 under ZeRO-2; 0 when S == 1
-    reduce-scatter  L * r * (S - 1)           trainable buckets, S > 1
+    reduce-scatter  L * r * (S - 1)           trainable buckets, S > 1, NCCL; gloo sends
+                                              each peer its real rows straight from the
+                                              gradients, no padding: (numel - its own
+                                              rows) * r, most on the last shard rank (the
+                                              fewest rows), the rank reported
     all-reduce      2 * L * r * (R - 1) / R   trainable buckets, R > 1 (NO_SHARD: L = numel)
 
 i.e. about `3 * Psi * (N - 1) / N` words for ZeRO-3 and `2 * Psi * (N - 1) / N` for ZeRO-2 and
@@ -169,8 +173,9 @@ def comm_bytes(
     mesh: tuple[int, int],
     reshard_after_forward: bool,
     precision: PrecisionSpec,
+    backend: str = "nccl",
 ) -> dict[str, int]:
-    """Wire bytes one rank sends per step, by collective kind (module docstring).
+    """Wire bytes the busiest rank sends per step, by collective kind (module docstring).
 
     Each collective is rounded down as `fullshard.distributed.comm` counts it, so on the same
     model and mesh these are the numbers `comm_stats()` reports for one training step.
@@ -187,7 +192,10 @@ def comm_bytes(
                 out["all_gather"] += gathers * int(n * (shard - 1) / shard)
             if not b.requires_grad:
                 continue
-            if shard > 1:
+            if shard > 1 and backend == "gloo":
+                unsent = sum(b.local_numels(shard, shard - 1))  # its own rows stay home
+                out["reduce_scatter"] += (b.numel - unsent) * _size(reduce)
+            elif shard > 1:
                 n = shard * flat * _size(reduce)
                 out["reduce_scatter"] += int(n * (shard - 1) / shard)
             if replicate > 1:

@@ -13,7 +13,9 @@ and `c` / `r` the compute / reduce dtype sizes:
                            its parameter-major copy coexist for a moment (gloo lands each
                            parameter's rows in place, so there is none)
     reduce     S * L * r   the packed gradients a reduce-scatter sends (trainable, S > 1; with
-                           S == 1 the packed gradients become the `.grad` storage itself)
+                           S == 1 the packed gradients become the `.grad` storage itself);
+                           gloo sends from the unsharded gradients themselves, held until the
+                           reduction is done: numel * r, no padding
 
 The replay follows `engine/hooks.py` for one step, in the unit order root, blocks...:
 
@@ -86,7 +88,9 @@ def unit_costs(
                 continue
             gathered = s * flat * _size(compute)
             copy_out = gathered if backend == "nccl" and len(b.shapes) > 1 else 0
-            reduce_bytes = s * flat * _size(reduce) if b.requires_grad else 0
+            # NCCL packs the gradients (padding included); gloo holds them as they are.
+            held = b.numel if backend == "gloo" else s * flat
+            reduce_bytes = held * _size(reduce) if b.requires_grad else 0
             costs.append(BucketCost(gathered, cast, copy_out, reduce_bytes))
         units.append(UnitCost(tuple(costs), unit.trainable))
     return units
