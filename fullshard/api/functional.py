@@ -66,7 +66,8 @@ def fsdp(
             activations are recomputed in backward (non-reentrant checkpointing).
         device_mesh: HYBRID_SHARD only: `(replicate, shard)` or a 2-D `DeviceMesh`.
         prefetch_limit: units gathered ahead of the one running (0 disables prefetch).
-        max_pending_reductions: gradient reductions left in flight during backward.
+        max_pending_reductions: units whose gradient reductions may be in flight during
+            backward before the oldest is waited for.
 
     After the call, `model.named_parameters()` yields this rank's shards under the original
     names: build the optimizer afterwards. Gradients are averaged over all ranks, as DDP does.

@@ -25,16 +25,16 @@ forward   pre-hook of each unit: start its gather, prefetch the next `prefetch_l
 backward  ZeRO-3 (with S > 1): the root is gathered again first (the LM head is the last op of
           forward), then each block in reverse, each gather prefetching the next
           `prefetch_limit` in the recorded backward order. When a unit's gradients are
-          complete its buckets are packed and their reductions issued; at most
-          `max_pending_reductions` stay in flight, so the one being packed can be the
-          (max_pending_reductions + 1)-th; then the unit is released. The root's gradients
+          complete its buckets are packed and their reductions issued; those of at most
+          `max_pending_reductions` units stay in flight, so the unit being packed can be
+          the (max_pending_reductions + 1)-th; then the unit is released. The root's gradients
           complete last (its embedding is the first op of forward). ZeRO-2 and S == 1 (where
           autograd itself keeps whatever it saved) gather nothing in backward and release
           each unit after reducing it.
 
 The working set is the peak of the running sum, over the first step and a later one (with
 prefetching); roughly, ZeRO-3 holds the root plus `prefetch_limit + 1` blocks plus up to
-`max_pending_reductions + 1` reduce inputs, and ZeRO-2 the whole model gathered plus one
+`max_pending_reductions + 1` units' reduce inputs, and ZeRO-2 the whole model gathered plus one
 reduce input.
 
 Not counted (they are not the engine's): autograd's unsharded gradients of the unit whose
@@ -135,7 +135,7 @@ class _Replay:
         self.warm = warm
         self.live = self.peak = 0
         self.state = ["sharded"] * len(units)
-        self.pending: collections.deque[int] = collections.deque()
+        self.pending: collections.deque[tuple[int, int]] = collections.deque()
 
     def _add(self, nbytes: int) -> None:
         self.live += nbytes
@@ -167,12 +167,11 @@ class _Replay:
 
     def reduce(self, i: int) -> None:
         for b in self.units[i].buckets:
-            if b.reduce == 0:
-                continue
-            self._add(b.reduce)
-            self.pending.append(b.reduce)
-            while len(self.pending) > self.max_pending:
-                self.live -= self.pending.popleft()
+            if b.reduce:
+                self._add(b.reduce)
+                self.pending.append((i, b.reduce))
+        while len({unit for unit, _ in self.pending}) > self.max_pending:
+            self.live -= self.pending.popleft()[1]
 
     # -- one step ----------------------------------------------------------------------------------
     def run(self) -> int:
@@ -200,7 +199,7 @@ class _Replay:
                 self._post_backward(i)
         self._post_backward(0)
         while self.pending:
-            self.live -= self.pending.popleft()
+            self.live -= self.pending.popleft()[1]
         for i in range(n):
             self.release(i)
         assert self.live == 0, self.live
