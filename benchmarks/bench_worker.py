@@ -138,6 +138,8 @@ def main() -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
     else:
         rank, world = 0, 1
+        if impl.family == "fullshard":  # fsdp() wants a group, even of one process
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     model = build_model(cfg)
     psi = sum(p.numel() for p in model.parameters())
     assert psi == param_count(cfg), (psi, param_count(cfg))
@@ -164,6 +166,7 @@ def main() -> None:
         del trainer, model
         gc.collect()
         dist.barrier()
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 

@@ -51,6 +51,12 @@ def _fullshard_impls() -> list[Impl]:
              nproc=2, threads=1, comm_words=words[s], sharded_state=s != "NO_SHARD",
              options={"sharding_strategy": s, "bucketing_strategy": b})
         for s in FULLSHARD_STRATEGIES for b in BUCKETINGS
+    ] + [  # the engine's own cost: one process, a group of one, against single-t1
+        Impl(f"fullshard-ws1-{b.lower()}", "fullshard",
+             f"fullshard FULL_SHARD, world size 1, bucketing {b}", nproc=1, threads=1,
+             comm_words=0, sharded_state=False,
+             options={"sharding_strategy": "FULL_SHARD", "bucketing_strategy": b})
+        for b in ("NONE", "BLOCK")
     ]
 
 

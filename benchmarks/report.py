@@ -11,7 +11,9 @@ config and repetition); the formulas are spelled out in `benchmarks/README.md`:
 - model state per rank (max over ranks) against 16*Psi/N, N = the distributed world size;
 - communication per step (rank 0, the last step): ring bytes from the logical bytes by kind,
   the backend's wire bytes, and the analytic ring volume `comm_words * Psi * (N-1)/N * 4`;
-- losses: max over steps and reps of |loss - reference loss| (single process, same rep).
+- losses: max over steps and reps of |loss - reference loss| (single process, same rep);
+- the issue's targets: each fullshard variant's ratio to the target's reference, median
+  [min-max] over reps, "met" when the median is within the bound.
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ from impls import DDP_REFERENCE, FSDP2_REFERENCE, IMPLS_BY_NAME, LOSS_REFERENCES
 
 MB = 1e6
 LOSS_TOLERANCE = 1e-4
+TARGETS = (  # (implementations, reference, bound): issue 6's targets, in its words
+    ("fullshard-full_shard-", "fsdp2-reshard", 0.85),
+    ("fullshard-shard_grad_op-", "fsdp2-noreshard", 0.90),
+    ("fullshard-shard_grad_op-", "ddp", 1.10),
+    ("fullshard-ws1-", "single-t1", 1.10),
+)
 
 
 def _median(xs: list[float]) -> float:
@@ -129,6 +137,8 @@ def _row(name: str, recs: list[dict[str, Any]], by_rep: dict, world: int) -> dic
         / _median(medians),
         "ratio_fsdp2": _ratio(name, FSDP2_REFERENCE, by_rep),
         "ratio_ddp": _ratio(name, DDP_REFERENCE, by_rep),
+        "target_ratios": {ref: _ratio(name, ref, by_rep) for prefix, ref, _ in TARGETS
+                          if name.startswith(prefix)},
         "state_bytes": state,
         "state_over_shard": state / shard_state,
         "analytic_state_bytes": shard_state if impl.sharded_state else 16 * psi,
@@ -209,6 +219,23 @@ def detail_table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
     return out
 
 
+TARGET_COLUMNS = ("impl", "reference", "ratio [min-max]", "target", "met")
+
+
+def target_table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
+    out = []
+    for prefix, ref, bound in TARGETS:
+        for r in rows:
+            ratio = r.get("target_ratios", {}).get(ref) if r["impl"].startswith(prefix) else None
+            if ratio is None:
+                continue
+            met = "yes" if ratio["median"] <= bound else "no"
+            if met == "yes" and ratio["max"] > bound:
+                met = "yes (median; not every rep)"
+            out.append([r["impl"], ref, _fmt_spread(ratio), f"<= {bound:.2f}", met])
+    return out
+
+
 def text_table(columns: tuple[str, ...], rows: list[list[str]]) -> str:
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
     line = lambda cells: "  ".join(
@@ -251,6 +278,10 @@ def print_summary(summary: dict[str, list[dict[str, Any]]]) -> None:
         print(text_table(MAIN_COLUMNS, main_table_rows(rows)))
         print()
         print(text_table(DETAIL_COLUMNS, detail_table_rows(rows)))
+        targets = target_table_rows(rows)
+        if targets:
+            print()
+            print(text_table(TARGET_COLUMNS, targets))
         for note in warnings_for(rows):
             print("WARNING: " + note)
 
@@ -279,6 +310,10 @@ def markdown(summary: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> 
         lines += ["", f"## {config_heading(config, rows)}", "",
                   markdown_table(MAIN_COLUMNS, main_table_rows(rows)), "",
                   markdown_table(DETAIL_COLUMNS, detail_table_rows(rows))]
+        targets = target_table_rows(rows)
+        if targets:
+            lines += ["", "Targets (issue 6), ratio of step times measured in the same rep:", "",
+                      markdown_table(TARGET_COLUMNS, targets)]
         notes = warnings_for(rows)
         if notes:
             lines += ["", *(f"- **warning:** {n}" for n in notes)]
