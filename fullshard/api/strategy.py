@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -575,4 +576,7 @@ def _destroy_process_group() -> None:
             dist.barrier()
     except Exception:  # noqa: BLE001 - a peer is gone; nothing left to wait for
         pass
+    # Free finished Works and the tensors they hold while the interpreter can still take
+    # them: freed by gloo's threads during finalization, they abort the process.
+    gc.collect()
     dist.destroy_process_group()
