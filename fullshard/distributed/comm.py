@@ -236,26 +236,13 @@ def reduce_scatter(
     if group.size == 1:
         output.copy_(input.reshape(output.shape))
         return _DONE
+    if _use_pairwise(group):  # the packed input is one segment of `group.size` chunks
+        flat = input.reshape(-1)
+        return reduce_scatter_segments(output, [flat], [output.numel()], group, async_op=async_op)
     n = _nbytes(input)
     _COUNTERS.add("reduce_scatter", n, n * (group.size - 1) / group.size)
-    if _use_pairwise(group):
-        size, rank = group.size, group.rank
-        chunks = input.view(size, -1)
-        received = input.new_empty((size, chunks.shape[1]))  # row `rank` stays unused
-        tag, works = _next_tag(group), []
-        for step in range(1, size):
-            dst, src = (rank + step) % size, (rank - step) % size
-            works.append(dist.isend(chunks[dst], group.ranks[dst], group=group.pg, tag=tag))
-            works.append(dist.irecv(received[src], group.ranks[src], group=group.pg, tag=tag))
-        received[rank] = chunks[rank]
-
-        def sum_in_rank_order() -> None:
-            torch.sum(received, dim=0, out=output.view(-1))
-
-        handle = CommHandle(works, on_done=sum_in_rank_order, refs=(output, input, received))
-    else:
-        work = _reduce_scatter_into(output, input, group=group.pg, async_op=async_op)
-        handle = CommHandle(work, refs=(output, input)) if async_op else _DONE
+    work = _reduce_scatter_into(output, input, group=group.pg, async_op=async_op)
+    handle = CommHandle(work, refs=(output, input)) if async_op else _DONE
     if not async_op:
         handle.wait()
         return _DONE

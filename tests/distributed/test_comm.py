@@ -12,6 +12,7 @@ import torch
 
 from fullshard.distributed import comm
 from fullshard.engine.layout import ShardLayout
+from fullshard.engine.layout import pad_rows as pad
 
 # (rows, cols) of each parameter in one bucket: 5 and 7 rows leave padding on 2 and 3 ranks,
 # 1 row leaves ranks with nothing, 6 rows divide evenly.
@@ -53,10 +54,20 @@ def _reduce_scatter_segments() -> dict:
         rows[: mine.shape[0]] = mine
         expected.append(rows.reshape(-1))
     sent = sum(lay.numel - lay.local_rows * lay.row_numel for lay in layouts) * 4
+    stats = comm.comm_stats()["reduce_scatter"]
+    # The packed form (rank-major, padded: what NCCL and no_sync reduce) gives the same.
+    packed = torch.cat([
+        torch.cat([pad(g, lay)[r * lay.chunk_rows : (r + 1) * lay.chunk_rows].reshape(-1)
+                   for g, lay in zip(_grads(rank), layouts)])
+        for r in range(size)
+    ])
+    from_packed = torch.empty(sum(sizes))
+    comm.reduce_scatter(from_packed, packed, shard)
     return {
         "out": out,
+        "from_packed": from_packed,
         "expected": torch.cat(expected),
-        "stats": comm.comm_stats()["reduce_scatter"],
+        "stats": stats,
         "real_bytes_of_peers": sent,
         "logical_bytes": size * sum(sizes) * 4,
     }
@@ -65,6 +76,7 @@ def _reduce_scatter_segments() -> dict:
 def test_reduce_scatter_segments_equals_the_definition(group):
     for got in group.run(_reduce_scatter_segments):
         torch.testing.assert_close(got["out"], got["expected"], rtol=0, atol=0)
+        torch.testing.assert_close(got["from_packed"], got["expected"], rtol=0, atol=0)
         assert got["stats"]["calls"] == 1
         assert got["stats"]["bytes"] == got["logical_bytes"]
         # only the real rows of the peers' chunks go on the wire, never padding
