@@ -5,16 +5,14 @@ One `Runtime` per `fsdp()` call drives every unit of that model through a step:
 forward   unit pre-hook: start the unit's gather (unless prefetched), prefetch the next
           `prefetch_limit` units in the order recorded on the previous pass, wait, install the
           unsharded views (through `GatheredParams`). Post-hook: uninstall; ZeRO-3 releases.
-backward  `GatheredParams.backward` (once per bucket, when its gradients are complete) issues
-          the reduction of the unsharded gradients asynchronously; the reductions of at most
-          `max_pending_reductions` units stay in flight (a unit's buckets count once, so
-          LAYER/NONE bucketing does not wait on its own reductions), older ones are finished
-          (waited and written to `.grad`) while earlier units compute. A unit whose trainable
-          buckets have all reported is released.
-end       a callback queued on the autograd engine reduces zeros for the buckets of a unit
-          that took part in backward but got no gradient (so its parameters get a `.grad`,
-          and every rank runs the same collectives), finishes all reductions and releases
-          every unit, so nothing unsharded survives the step.
+backward  `GatheredParams.backward` (once per unit, when its gradients are complete) issues
+          the reduction of every bucket's unsharded gradients asynchronously; the reductions
+          of at most `max_pending_reductions` units stay in flight (a unit's buckets count
+          once, so LAYER/NONE bucketing does not wait on its own reductions), older ones are
+          finished (waited and written to `.grad`) while earlier units compute. The unit is
+          released.
+end       a callback queued on the autograd engine finishes all reductions and releases every
+          unit, so nothing unsharded survives the step.
 
 [Note: ZeRO-3 and saved tensors]
 Autograd saves the unsharded parameters its backward formulas need (a Linear saves its
@@ -241,34 +239,30 @@ class Runtime:
         self._backward_plan, self._backward_plan_list = plan, order
         self.backward_order = []
 
-    def post_backward(
-        self, unit: Unit, bucket: Bucket, grads: tuple[torch.Tensor | None, ...]
-    ) -> None:
-        """Called by `GatheredParams.backward` with one bucket's unsharded gradients."""
+    def post_backward(self, unit: Unit, grads: tuple[torch.Tensor | None, ...]) -> None:
+        """Called by `GatheredParams.backward` with the unit's unsharded gradients."""
         self._ensure_backward_callback()
-        chunk = [
-            g if g is not None else torch.zeros(p.layout.shape, dtype=bucket.dtype,
-                                                device=bucket.device)
-            for g, p in zip(grads, bucket.params)
-        ]
-        if self.sync_gradients:
+        start = 0
+        for bucket in unit.trainable_buckets:
+            n = len(bucket.params)
+            chunk = [
+                g
+                if g is not None
+                else torch.zeros(p.layout.shape, dtype=bucket.dtype, device=bucket.device)
+                for g, p in zip(grads[start : start + n], bucket.params)
+            ]
+            start += n
+            if not self.sync_gradients:
+                bucket.accumulate_grads(chunk)
+                continue
             self.pending.append((unit, bucket.start_reduce(chunk)))
             while len({u for u, _ in self.pending}) > self.max_pending_reductions:
                 self.pending.popleft()[1].finish()
-        else:
-            bucket.accumulate_grads(chunk)
-        unit.reported.add(bucket)
-        if self.sync_gradients and unit.backward_done:
+        if self.sync_gradients:
             self._release(unit)
 
     def _finalize_backward(self) -> None:
         try:
-            for u in self.units:  # same order on every rank: the collectives pair up
-                if u.reported and not u.backward_done:
-                    for b in u.trainable_buckets:
-                        if b not in u.reported:
-                            self.post_backward(u, b, (None,) * len(b.params))
-                u.reported.clear()
             while self.pending:
                 self.pending.popleft()[1].finish()
             if self.sync_gradients:
@@ -285,6 +279,5 @@ class Runtime:
             self.pending.popleft()[1].finish()
         for u in self.units:
             self._release(u)
-            u.reported.clear()
             for b in u.buckets:
                 b.drop_accumulated_grad()

@@ -5,15 +5,18 @@ backward (ZeRO-2). Its state is the state of its buckets:
 
     SHARDED --start_gather--> GATHERING --wait--> GATHERED --release--> SHARDED
 
-Autograd routing: when a gathered unit is installed with grad enabled, each trainable
-bucket's unsharded views pass through its own `GatheredParams`, an autograd Function whose
-inputs are the bucket's local shards and whose outputs are the views. Autograd therefore calls
-its backward once, with the bucket's unsharded gradients, as soon as every use of those
-parameters has been differentiated -- so a bucket used early in backward (an LM head in the
-root unit) starts its reduction then, not when the whole unit is done. The runtime
-(hooks.py) reduces the gradients and writes the shards' `.grad` itself, asynchronously, so the
-Function returns no gradient to autograd. Once every trainable bucket of a unit has reported,
-the unit's backward is over and it is released. Frozen parameters are installed as plain views.
+Autograd routing: when a gathered unit is installed with grad enabled, its trainable
+parameters' unsharded views pass through `GatheredParams`, an autograd Function whose inputs
+are the local shards and whose outputs are the views. Autograd therefore calls its backward
+once, with the unsharded gradients of the whole unit, when the unit's backward is done; the
+runtime (hooks.py) reduces them and writes the shards' `.grad` itself, asynchronously, so the
+Function returns no gradient to autograd. Frozen parameters are installed as plain views.
+
+One node per unit, not per bucket: autograd runs ready nodes latest-created first, and all of
+a unit's nodes would be created together at its pre-forward, so a bucket's node could not run
+before the unit's backward is done anyway. (The root's node is created first of all and so
+runs last, even though its LM head is differentiated first; only a node created where the
+head runs could reduce it early.)
 """
 
 from __future__ import annotations
@@ -39,22 +42,18 @@ class UnitState(enum.Enum):
 
 
 class GatheredParams(torch.autograd.Function):
-    """Identity on a bucket's gathered views; its backward hands the bucket's gradients to
-    the runtime."""
+    """Identity on the gathered views; its backward hands the unit's gradients to the runtime."""
 
     @staticmethod
-    def forward(
-        ctx: Any, runtime: Runtime, unit: Unit, bucket: Bucket, *shards: torch.Tensor
-    ) -> tuple:
+    def forward(ctx: Any, runtime: Runtime, unit: Unit, *shards: torch.Tensor) -> tuple:
         ctx.runtime = runtime
         ctx.unit = unit
-        ctx.bucket = bucket
-        return tuple(bucket.unsharded_views())
+        return tuple(unit.trainable_views())
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
-        ctx.runtime.post_backward(ctx.unit, ctx.bucket, grads)
-        return (None, None, None, *([None] * len(grads)))
+        ctx.runtime.post_backward(ctx.unit, grads)
+        return (None, None, *([None] * len(grads)))
 
 
 class Unit:
@@ -73,8 +72,6 @@ class Unit:
         self.cached_views: list[torch.Tensor] | None = None
         self.cached_pass = -1
         self._install_order: list[ShardedParam] = []
-        # Trainable buckets whose gradients reached the runtime in the current backward.
-        self.reported: set[Bucket] = set()
 
     def __repr__(self) -> str:
         return f"Unit({self.name or '<root>'}, {len(self.params)} params, {self.state.value})"
@@ -104,10 +101,6 @@ class Unit:
         for b in self.buckets:
             b.release()
 
-    @property
-    def backward_done(self) -> bool:
-        return len(self.reported) == len(self.trainable_buckets)
-
     def trainable_views(self) -> list[torch.Tensor]:
         return [v for b in self.trainable_buckets for v in b.unsharded_views()]
 
@@ -123,10 +116,8 @@ class Unit:
                 for p, v in zip(b.params, b.unsharded_views())
             ]
             if with_grad and self.trainable_params:
-                trainable = []
-                for b in self.trainable_buckets:
-                    shards = [p.param for p in b.params]
-                    trainable += GatheredParams.apply(runtime, self, b, *shards)
+                shards = [p.param for p in self.trainable_params]
+                trainable = list(GatheredParams.apply(runtime, self, *shards))
             else:
                 trainable = self.trainable_views()
             views = [v for _, v in frozen]
