@@ -156,6 +156,14 @@ class CommHandle:
 _DONE = CommHandle()
 
 
+def _settle(handle: CommHandle, async_op: bool) -> CommHandle:
+    """What a collective returns: its handle if asynchronous, else done (after waiting)."""
+    if async_op:
+        return handle
+    handle.wait()
+    return _DONE
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -222,10 +230,7 @@ def all_gather(
             raise ValueError("segment-major all-gather needs gathers_segments(group)")
         work = _all_gather_into(output, input, group=group.pg, async_op=async_op)
         handle = CommHandle(work, refs=(output, input)) if async_op else _DONE
-    if not async_op:
-        handle.wait()
-        return _DONE
-    return handle
+    return _settle(handle, async_op)
 
 
 def reduce_scatter(
@@ -243,10 +248,7 @@ def reduce_scatter(
     _COUNTERS.add("reduce_scatter", n, n * (group.size - 1) / group.size)
     work = _reduce_scatter_into(output, input, group=group.pg, async_op=async_op)
     handle = CommHandle(work, refs=(output, input)) if async_op else _DONE
-    if not async_op:
-        handle.wait()
-        return _DONE
-    return handle
+    return _settle(handle, async_op)
 
 
 def reduce_scatter_segments(
@@ -281,16 +283,13 @@ def reduce_scatter_segments(
     works, wire, offset, plan = [], 0, 0, []
     for x, n in zip(inputs, sizes):
         x = x.view(-1)
-
-        def real(r: int, x: torch.Tensor = x, n: int = n) -> int:
-            return max(0, min(n, x.numel() - r * n))
-
-        mine = real(rank)
+        real = [max(0, min(n, x.numel() - r * n)) for r in range(size)]  # rank r's elements
+        mine = real[rank]
         tag = _next_tag(group)
         for step in range(1, size):
             dst, src = (rank + step) % size, (rank - step) % size
-            if real(dst) > 0:
-                chunk = x[dst * n : dst * n + real(dst)]
+            if real[dst] > 0:
+                chunk = x[dst * n : dst * n + real[dst]]
                 works.append(dist.isend(chunk, group.ranks[dst], group=group.pg, tag=tag))
                 wire += _nbytes(chunk)
             if mine > 0:
@@ -317,10 +316,7 @@ def reduce_scatter_segments(
             flat_out[start + mine : start + n].zero_()
 
     handle = CommHandle(works, on_done=sum_in_rank_order, refs=(output, tuple(inputs), received))
-    if not async_op:
-        handle.wait()
-        return _DONE
-    return handle
+    return _settle(handle, async_op)
 
 
 def all_reduce(
