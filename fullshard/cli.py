@@ -3,7 +3,7 @@
     fullshard run [--nproc-per-node N] [--nnodes M --node-rank K --master-addr A
                   --master-port P] script.py [script args...]
 
-    fullshard consolidate CKPT_DIR OUT
+    fullshard consolidate [--unsafe-load] CKPT_DIR OUT
 
 `run` starts a script on many processes through torch's elastic launcher (see
 `fullshard.launch.torchrun`). `consolidate` turns a sharded checkpoint into one full file
@@ -103,6 +103,8 @@ examples:
 
 The .pt file is what save_checkpoint(..., state_dict_type='full') writes: torch.load it and
 model.load_state_dict(ckpt['model']) into the unwrapped model, or load_checkpoint it anywhere.
+Lightning Fabric's sharded checkpoints consolidate too (the same layout). The checkpoint is
+read without running code from it; --unsafe-load lifts that, for files you trust only.
 """
 
 
@@ -118,6 +120,10 @@ def _add_consolidate(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("ckpt_dir", metavar="CKPT_DIR", help="the sharded checkpoint directory")
     p.add_argument("out", metavar="OUT", help="the file to write (.safetensors: weights only)")
+    p.add_argument("--unsafe-load", action="store_true",
+                   help="unpickle the checkpoint's files fully (weights_only=False), which can "
+                   "run arbitrary code from them: only for files you trust. By default only "
+                   "tensors and plain Python values are read.")
     p.set_defaults(handler=_consolidate)
 
 
@@ -125,7 +131,7 @@ def _consolidate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     from fullshard.checkpoint import CheckpointError, consolidate
 
     try:
-        out = consolidate(args.ckpt_dir, args.out)
+        out = consolidate(args.ckpt_dir, args.out, weights_only=not args.unsafe_load)
     except (ValueError, CheckpointError, IsADirectoryError, ImportError) as e:
         print(f"fullshard consolidate: error: {e}", file=sys.stderr)
         return 1

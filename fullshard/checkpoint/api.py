@@ -35,7 +35,8 @@ from typing import Any
 
 from torch import nn
 
-from fullshard.checkpoint import atomic, full, objects, sharded
+from fullshard.checkpoint import atomic, full, objects, safe_load, sharded
+from fullshard.checkpoint.errors import CheckpointError
 from fullshard.checkpoint.objects import Filter
 from fullshard.distributed import comm
 
@@ -120,8 +121,7 @@ def _save_sharded(target: Path, tmp: Path, token: str, state: Mapping[str, Any],
                 f"The checkpoint path {str(target)!r} is a non-empty directory that is not a "
                 f"checkpoint; saving would replace it. Choose another path."
             )
-        flat, meta = sharded.plan(state, filter)
-        shape = sharded.signature(meta)
+        flat, meta, shape = sharded.plan(state, filter)
         if rank0:
             atomic.remove_stale(target)
             tmp.mkdir(parents=True)
@@ -133,7 +133,7 @@ def _save_sharded(target: Path, tmp: Path, token: str, state: Mapping[str, Any],
         if rank0:
             sharded.finish_meta(tmp, meta)
     except BaseException as e:
-        if isinstance(e, sharded.CheckpointError):
+        if isinstance(e, CheckpointError):
             if rank0:
                 atomic.remove(tmp)
             raise
@@ -214,15 +214,22 @@ def load_checkpoint(
     *,
     strict: bool = True,
     timeout: float = DEFAULT_TIMEOUT,
+    weights_only: bool | None = None,
 ) -> dict[str, Any]:
     """Load the checkpoint at `path` (format detected from disk) into `state` in place and
     return its entries that `state` did not ask for. Collective.
+
+    `weights_only` (None means True): read every file without running code from it --
+    tensors and plain Python values only, which is all fullshard (and Lightning) write. A file
+    holding other objects raises `UnsafeCheckpointError`; `weights_only=False` unpickles it
+    fully, which can run arbitrary code: only for files you trust.
 
     `state` may be a dict (modules, optimizers, stateful objects, values), a single module
     (its weights only), or None (returns the whole checkpoint as a full-format dict; for a
     sharded checkpoint every rank then reads all of it). `strict=False` tolerates keys missing
     on either side and warns about them.
     """
+    weights_only = safe_load.resolve(weights_only)
     group = atomic.world()
     _guard(group, "load_checkpoint", timeout)
     path = _shared_path(path, group)
@@ -242,35 +249,38 @@ def load_checkpoint(
         )
     if state is None:
         if fmt == "full":
-            return full.read(path)
+            return full.read(path, weights_only)
         from fullshard.checkpoint.consolidate import to_full
 
-        return to_full(path)
+        return to_full(path, weights_only=weights_only)
     if isinstance(state, nn.Module):
-        return _load_module_only(path, fmt, state, strict, group)
+        return _load_module_only(path, fmt, state, strict, group, weights_only)
     if not isinstance(state, dict):
         raise TypeError(
             f"load_checkpoint(state=...) takes a dict of the objects to restore, a module, or "
             f"None; got {type(state).__name__}."
         )
     if fmt == "full":
-        return full.load(full.read(path), state, strict, path)
-    return sharded.load(path, sharded.read_meta(path), state, strict, group)
+        return full.load(full.read(path, weights_only), state, strict, path)
+    meta = sharded.read_meta(path, weights_only)
+    return sharded.load(path, meta, state, strict, group, weights_only)
 
 
 def _load_module_only(path: Path, fmt: str, module: nn.Module, strict: bool,
-                      group: comm.Group | None) -> dict[str, Any]:
+                      group: comm.Group | None, weights_only: bool) -> dict[str, Any]:
+    """`state` is one module (Lightning's `load_raw(path, module)`): its weights only."""
     if fmt == "sharded":
-        meta = sharded.read_meta(path)
-        keys = list(meta["modules"])
+        meta = sharded.read_meta(path, weights_only)
+        saved = sharded.entries(sharded.read_index(path, weights_only))
+        keys = [k for k, v in saved.items() if sharded.kind_of_entry(v) == objects.MODULE]
         if len(keys) != 1:
             raise ValueError(
                 f"The checkpoint {str(path)!r} holds {len(keys)} modules ({keys}); pass "
                 f"state={{key: module}} to say which to load."
             )
-        sharded.load(path, meta, {keys[0]: module}, strict, group)
+        sharded.load(path, meta, {keys[0]: module}, strict, group, weights_only)
         return {}
-    ckpt = full.read(path)
+    ckpt = full.read(path, weights_only)
     candidates = [k for k, v in ckpt.items() if isinstance(v, Mapping)]
     if all(not isinstance(v, Mapping) for v in ckpt.values()):
         sd: Any = ckpt  # a bare state dict: torch.save(model.state_dict(), path)

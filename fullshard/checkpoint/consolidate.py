@@ -1,13 +1,16 @@
 """Sharded checkpoint -> one full file, in one process, without a process group.
 
-`to_full(ckpt_dir)` reads every DCP chunk into whole CPU tensors (DCP without distributed
-setup) and assembles exactly what a `state_dict_type='full'` save of the same state writes:
-modules under their original names and shapes (tied names restored), optimizer state keyed by
-parameter name with unsharded tensors, and the rest of `meta.pt`. `consolidate(ckpt_dir, out)`
-writes it with `torch.save`, or -- for an `out` ending in `.safetensors` -- the model weights
-only, in the safetensors format (needs the optional `safetensors` package), loadable with
-`safetensors.torch.load_file` into the unwrapped model. The output is written under a
-temporary name and renamed into place.
+`to_full(ckpt_dir)` reads every DCP item into whole CPU tensors (DCP without distributed
+setup) and rebuilds the nested dict the index records, which is exactly what a
+`state_dict_type='full'` save of the same state writes: modules under their original names
+and shapes (every name of a tied parameter), optimizer state keyed by parameter name with
+unsharded tensors and its param groups, then the entries of `meta.pt`. The same layout is
+Lightning's, so its sharded checkpoints consolidate too. Files are read without running code
+from them unless `weights_only=False` (`fullshard consolidate --unsafe-load`).
+`consolidate(ckpt_dir, out)` writes it with `torch.save`, or -- for an `out` ending in
+`.safetensors` -- the model weights only, in the safetensors format (needs the optional
+`safetensors` package), loadable with `safetensors.torch.load_file` into the unwrapped model.
+The output is written under a temporary name and renamed into place.
 
 Memory: the whole checkpoint is held once in host memory (the output file needs all of it).
 """
@@ -20,13 +23,15 @@ from typing import Any
 
 import torch
 
-from fullshard.checkpoint import atomic, sharded
+from fullshard.checkpoint import atomic, objects, safe_load, sharded
 
 
-def to_full(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
-    """The full-format checkpoint dict of the sharded checkpoint at `ckpt_dir`."""
+def to_full(ckpt_dir: str | os.PathLike, *, weights_only: bool | None = None) -> dict[str, Any]:
+    """The full-format checkpoint dict of the sharded checkpoint at `ckpt_dir` (ours or
+    Lightning's: the same layout). `weights_only` as in `load_checkpoint` (None: True)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    weights_only = safe_load.resolve(weights_only)
     path = Path(ckpt_dir)
     if not sharded.is_checkpoint_dir(path):
         reason = sharded.describe_dir(path) if path.is_dir() else "no such directory"
@@ -34,53 +39,19 @@ def to_full(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
             f"{str(path)!r} is not a sharded checkpoint ({reason}). Pass the directory that "
             f"save_checkpoint(..., state_dict_type='sharded') wrote."
         )
-    meta = sharded.read_meta(path)
-    index = sharded.read_index(path)
-    flat = {
+    meta = sharded.read_meta(path, weights_only)
+    index = sharded.read_index(path, weights_only)
+    flat: dict[str, Any] = {
         key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        if isinstance(md, TensorStorageMetadata) else None  # a byte item replaces None
         for key, md in index.state_dict_metadata.items()
-        if isinstance(md, TensorStorageMetadata)
     }
-    sharded.read(path, flat, None)
+    sharded.read(path, flat, None, weights_only)
     out: dict[str, Any] = {}
-    for key in meta["order"]:
-        if key in meta["modules"]:
-            out[key] = _module(key, meta["modules"][key], flat)
-        elif key in meta["optimizers"]:
-            out[key] = _optimizer(key, meta["optimizers"][key], flat)
-        elif key in meta["state"]:
-            out[key] = meta["state"][key]
-    return out
-
-
-def _module(key: str, desc: dict[str, Any], flat: dict[str, torch.Tensor]) -> dict[str, Any]:
-    sd: dict[str, Any] = {}
-    for name in desc["keys"]:
-        if name in desc["extra"]:
-            sd[name] = desc["extra"][name]
-        elif name in desc["aliases"]:
-            sd[name] = sd[desc["aliases"][name]]  # the same tensor, as in the tied model
-        else:
-            sd[name] = flat[f"{key}.{name}"].view(desc["shapes"][name])
-    return sd
-
-
-def _optimizer(key: str, desc: dict[str, Any], flat: dict[str, torch.Tensor]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if "state" in desc:
-        state: dict[str, dict[str, Any]] = {}
-        for name, entry in desc["state"].items():
-            state[name] = {}
-            for k, kind in entry.items():
-                if not isinstance(kind, str):
-                    state[name][k] = kind[1]
-                    continue
-                tensor = flat[f"{key}.state.{name}.{k}"]
-                state[name][k] = tensor.view(desc["shapes"][name]) if kind == sharded.ROWS \
-                    else tensor
-        out["state"] = state
-    if "param_groups" in desc:
-        out["param_groups"] = desc["param_groups"]
+    for key, items in sharded.entries(index).items():
+        out[key] = sharded.unflatten([(p[1:], flat[fqn]) for p, fqn, _ in items])
+    for key, value in meta.items():
+        out.setdefault(key, value)
     return out
 
 
@@ -103,16 +74,20 @@ def model_weights(ckpt: dict[str, Any], meta_modules: list[str]) -> dict[str, to
     return out
 
 
-def consolidate(ckpt_dir: str | os.PathLike, out: str | os.PathLike) -> Path:
-    """Write the sharded checkpoint at `ckpt_dir` as one full file `out` (see module doc)."""
-    ckpt = to_full(ckpt_dir)
+def consolidate(ckpt_dir: str | os.PathLike, out: str | os.PathLike, *,
+                weights_only: bool | None = None) -> Path:
+    """Write the sharded checkpoint at `ckpt_dir` as one full file `out` (see module doc).
+    `weights_only=False` reads files holding arbitrary objects: only for files you trust."""
+    ckpt = to_full(ckpt_dir, weights_only=weights_only)
     target = Path(out).expanduser().absolute()
     if target.is_dir():
         raise IsADirectoryError(
             f"The output {str(target)!r} is a directory; consolidate writes one file. Give a "
             f"file name (ending in .safetensors for the safetensors format)."
         )
-    modules = list(sharded.read_meta(Path(ckpt_dir))["modules"])
+    index = sharded.read_index(Path(ckpt_dir), safe_load.resolve(weights_only))
+    modules = [k for k, v in sharded.entries(index).items()
+               if sharded.kind_of_entry(v) == objects.MODULE]
     tmp = atomic.temp_path(target, atomic.new_token(None))
     target.parent.mkdir(parents=True, exist_ok=True)
     try:

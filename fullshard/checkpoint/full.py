@@ -14,8 +14,10 @@ state dict, this format and `fullshard consolidate` share one implementation. Th
 into an unwrapped model with plain `torch.load` (`model.load_state_dict(ckpt['model'])`).
 
 Loading memory-maps the file (`torch.load(mmap=True)`): every rank copies only its own rows
-of each tensor, so N ranks do not cost N full copies in host memory. Optimizer state keyed by
-index (a plain `torch.save(optimizer.state_dict())`) loads too.
+of each tensor, so N ranks do not cost N full copies in host memory. It reads with
+`weights_only=True` unless the caller opts out (`safe_load`): this format holds only tensors
+and plain values, so fullshard's (and Lightning's) files always load that way. Optimizer
+state keyed by index (a plain `torch.save(optimizer.state_dict())`) loads too.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from fullshard.checkpoint import objects
+from fullshard.checkpoint import objects, safe_load
 from fullshard.checkpoint.objects import Filter
 from fullshard.distributed import comm
 from fullshard.engine.full_state import (
@@ -121,10 +123,14 @@ def optimizer_state(
 
 
 # -- load -----------------------------------------------------------------------------------------
-def read(path: Path) -> dict[str, Any]:
-    """The checkpoint file, memory-mapped (tensors are read only where they are used)."""
+def read(path: Path, weights_only: bool = True) -> dict[str, Any]:
+    """The checkpoint file, memory-mapped (tensors are read only where they are used), read
+    without running code from it unless `weights_only=False` (see `safe_load`)."""
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        ckpt = safe_load.torch_load(path, weights_only=weights_only, mmap=True,
+                                    what="The full checkpoint file")
+    except safe_load.UnsafeCheckpointError:
+        raise
     except Exception as e:  # a truncated zip, a pickle error, ...
         raise RuntimeError(
             f"The full checkpoint file {str(path)!r} cannot be read ({type(e).__name__}: {e}); "

@@ -1,26 +1,34 @@
-"""The sharded checkpoint format: a `torch.distributed.checkpoint` (DCP) directory + `meta.pt`.
+"""The sharded checkpoint format: Lightning Fabric's, a `torch.distributed.checkpoint` (DCP)
+directory plus `meta.pt`.
 
     ckpt/
-      .metadata          DCP's index: every tensor's global shape and where its chunks are
+      .metadata          DCP's index: every item's global shape, dtype and where it lies
       __0_0.distcp ...   one file per rank that had something to write
-      meta.pt            rank 0: format, file sizes, module/optimizer descriptions, and the
-                         rest of `state` (step counters, scheduler state, RNG state, values)
+      meta.pt            rank 0: the rest of `state` (step counters, scheduler state, RNG
+                         state, values), a plain dict {key: value}
 
-DCP keys are `"{model_key}.{name}"` and `"{optimizer_key}.state.{param name}.{state key}"`
-(Lightning's layout). A parameter -- and optimizer state laid out like it -- is described to
-DCP as a DTensor `Shard(0)` over the module's shard-axis mesh whose local tensor is this
-rank's unpadded rows (DTensor's `Shard(0)` follows `torch.chunk`, exactly our layout, a rank
-may own zero rows). These DTensors are views built only here, at save and load time: the
-engine never sees them. DCP stores every chunk with its global offset, so loading reads
-whatever rows this rank owns *now* -- another world size, another strategy (HYBRID, NO_SHARD),
-or a plain module in a process without any process group (the trivial one-rank layout).
+The DCP part is the nested dict `{model_key: {name: tensor}, optimizer_key: {"state": {param
+name: {"exp_avg": ..., "step": ...}}, "param_groups": [{"lr": ..., "params": [param name,
+...]}]}}`, which DCP flattens to keys `"model.layers.0.weight"`,
+`"optimizer.state.layers.0.weight.exp_avg"`, `"optimizer.param_groups.0.lr"` and records
+each key's path in its index. That is exactly what Lightning Fabric writes (FSDPStrategy and
+ModelParallelStrategy), so checkpoints move both ways; every name of a tied parameter is
+stored (as Lightning does), and non-tensor items (param groups) are DCP byte items.
 
-Saved with rows shape `(dim0, *rest)`: a 0-dim parameter is stored as one row (`meta.pt` keeps
-the real shapes). Under HYBRID every replica holds the same shards: DCP's planner keeps one
-copy of each chunk (the lowest rank's), so nothing is written twice; whole tensors (buffers,
-Adam's `step`) are written once, by the lowest rank holding them (global rank 0's values).
+A parameter -- and optimizer state laid out like it -- is described to DCP as a DTensor
+`Shard(0)` over the module's shard-axis mesh whose local tensor is this rank's unpadded rows
+(DTensor's `Shard(0)` follows `torch.chunk`, exactly our layout; a rank may own zero rows).
+These DTensors are views built only here, at save and load time: the engine never sees them.
+DCP stores every chunk with its global offset, so loading reads whatever rows this rank owns
+*now* -- another world size, another strategy (HYBRID, NO_SHARD), or a plain module in a
+process without any process group. A 0-dim parameter (one row, owned by shard-rank 0) is
+stored as a whole 0-dim tensor, as Lightning stores it. Under HYBRID every replica holds the
+same shards: DCP's planner keeps one copy of each chunk (the lowest rank's), so nothing is
+written twice; whole tensors (buffers, Adam's `step`) are written by global rank 0.
 
-A tied parameter is stored once, under its first name; `meta.pt` lists the other names.
+Reading never runs code from the files by default: `meta.pt`, DCP's index and its byte items
+go through `safe_load`. The index also says how long every data file must be, so a missing
+or truncated file is named before DCP reads anything.
 """
 
 from __future__ import annotations
@@ -34,19 +42,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullshard.checkpoint import objects
+from fullshard.checkpoint import objects, safe_load
+from fullshard.checkpoint.errors import CheckpointError
 from fullshard.checkpoint.objects import Filter, ParamInfo
 from fullshard.distributed import comm
 
-FORMAT = "fullshard-sharded-v1"
 META = "meta.pt"
 DCP_METADATA = ".metadata"
+OLD_FORMAT = "fullshard-sharded-v1"  # meta.pt of fullshard before it used Lightning's layout
 
-ROWS, TENSOR = "rows", "tensor"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint on disk is incomplete, truncated or corrupt (the message names the file)."""
+__all__ = ["CheckpointError"]
 
 
 # -- DTensor views ---------------------------------------------------------------------------
@@ -66,9 +71,16 @@ def _mesh(group: comm.Group) -> Any:
     return _MESHES[key]
 
 
+def _whole_scalar(info: ParamInfo) -> bool:
+    """A 0-dim parameter: one row (on shard-rank 0), stored as a whole 0-dim tensor."""
+    return len(info.shape) == 0
+
+
 def as_saved(rows: torch.Tensor, info: ParamInfo) -> torch.Tensor:
     """How DCP sees this rank's rows of a parameter-shaped tensor: a DTensor `Shard(0)` of the
-    global rows shape when sharded, else the (whole) tensor itself."""
+    global shape when sharded, else the (whole) tensor itself."""
+    if _whole_scalar(info):  # the owner's value; DCP writes the lowest rank's (global rank 0)
+        return rows.reshape(()) if rows.numel() else torch.zeros((), dtype=rows.dtype)
     if info.group is None:
         return rows
     from torch.distributed.tensor import DTensor, Shard
@@ -80,176 +92,225 @@ def as_saved(rows: torch.Tensor, info: ParamInfo) -> torch.Tensor:
     )
 
 
+def _load_target(view: torch.Tensor, info: ParamInfo,
+                 finish: list[Callable[[], None]]) -> torch.Tensor:
+    """What DCP loads into for this rank's rows `view`: the rows themselves (as `as_saved`),
+    or for a 0-dim parameter a whole scalar copied into the owner's row afterwards."""
+    if not _whole_scalar(info):
+        return as_saved(view, info)
+    whole = torch.empty((), dtype=view.dtype)
+    if view.numel():
+        finish.append(lambda: view.copy_(whole.reshape(view.shape)))
+    return whole
+
+
 # -- save -----------------------------------------------------------------------------------
-def plan(state: Mapping[str, Any], filter: Filter | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """`(flat, meta)`: the DCP state dict of this rank's tensors (views, no copies) and the
-    description that goes into `meta.pt` (everything but the tensors). No communication."""
+def plan(state: Mapping[str, Any], filter: Filter | None
+         ) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """`(tensors, meta, signature)`: the nested DCP state dict of this rank's tensors (views,
+    no copies), the plain dict that goes into `meta.pt`, and what every rank must agree on
+    (names, shapes, kinds -- not values). No communication."""
     modules = objects.split_state(state)[objects.MODULE]
-    flat: dict[str, Any] = {}
-    meta: dict[str, Any] = {
-        "format": FORMAT, "torch": torch.__version__, "order": list(state),
-        "modules": {}, "optimizers": {}, "state": {},
-    }
+    tensors: dict[str, Any] = {}
+    meta: dict[str, Any] = {}
+    sig: list[Any] = []
     for key, obj in state.items():
         kind = objects.kind_of(obj)
         if kind == objects.MODULE:
-            meta["modules"][key] = _plan_module(key, obj, filter, flat)
+            tensors[key] = _plan_module(key, obj, filter)
+            sig.append((key, kind, _shapes(tensors[key])))
         elif kind == objects.OPTIMIZER:
-            meta["optimizers"][key] = _plan_optimizer(key, obj, modules, filter, flat)
-        elif kind == objects.STATEFUL:
-            meta["state"][key] = objects.apply_filter(key, obj.state_dict(), filter)
+            tensors[key] = _plan_optimizer(key, obj, modules, filter)
+            sig.append((key, kind, _shapes(tensors[key].get("state", {}))))
         else:
-            meta["state"][key] = objects.apply_filter(key, obj, filter)
-    return flat, meta
+            value = obj.state_dict() if kind == objects.STATEFUL else obj
+            meta[key] = objects.apply_filter(key, value, filter)
+            sig.append((key, kind, None))
+    return tensors, meta, tuple(sig)
 
 
-def _plan_module(key: str, module: nn.Module, filter: Filter | None,
-                 flat: dict[str, Any]) -> dict[str, Any]:
+def _shapes(tree: Mapping[str, Any]) -> Any:
+    out = []
+    for k, v in tree.items():
+        if isinstance(v, Mapping):
+            out.append((k, _shapes(v)))
+        else:
+            out.append((k, tuple(v.shape) if isinstance(v, torch.Tensor) else "value"))
+    return tuple(sorted(out, key=lambda kv: kv[0]))
+
+
+def _plan_module(key: str, module: nn.Module, filter: Filter | None) -> dict[str, Any]:
     by_id = {id(info.param): info for info in objects.module_params(module).values()}
     sd = objects.apply_filter(key, module.state_dict(keep_vars=True), filter)
-    first: dict[int, str] = {}
-    desc: dict[str, Any] = {"keys": list(sd), "aliases": {}, "shapes": {}, "extra": {}}
+    out: dict[str, Any] = {}
     for name, value in sd.items():
-        if not isinstance(value, torch.Tensor):
-            desc["extra"][name] = value
-            continue
-        if id(value) in first:  # a tied parameter's second name
-            desc["aliases"][name] = first[id(value)]
-            continue
-        first[id(value)] = name
-        info = by_id.get(id(value))
-        if info is not None:
-            flat[f"{key}.{name}"] = as_saved(info.local_rows(value.detach()), info)
-            desc["shapes"][name] = tuple(info.shape)
-        else:  # a buffer: whole on every rank
-            flat[f"{key}.{name}"] = value.detach()
-            desc["shapes"][name] = tuple(value.shape)
-    return desc
+        info = by_id.get(id(value)) if isinstance(value, torch.Tensor) else None
+        if info is not None:  # every name of a tied parameter, as Lightning stores it
+            out[name] = as_saved(info.local_rows(value.detach()), info)
+        elif isinstance(value, torch.Tensor):  # a buffer: whole on every rank
+            out[name] = value.detach()
+        else:  # extra state: a DCP byte item
+            out[name] = value
+    return out
 
 
 def _plan_optimizer(key: str, optimizer: Any, modules: Mapping[str, nn.Module],
-                    filter: Filter | None, flat: dict[str, Any]) -> dict[str, Any]:
+                    filter: Filter | None) -> dict[str, Any]:
     mkey, names = objects.optimizer_param_names(optimizer, modules, key)
     infos = objects.module_params(modules[mkey]) if names else {}
     osd = optimizer.state_dict()
     state: dict[str, dict[str, Any]] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
-    tensors: dict[str, torch.Tensor] = {}
     for index, name in enumerate(names):
         info = infos[name]
-        shapes[name] = tuple(info.shape)  # what `rows` entries are, unsharded
         entry: dict[str, Any] = {}
         for k, v in osd["state"].get(index, {}).items():
-            dkey = f"{key}.state.{name}.{k}"
             if objects.is_rows(v, info.param, k):
-                tensors[dkey] = as_saved(info.local_rows(v.detach()), info)
-                entry[k] = ROWS
-            elif isinstance(v, torch.Tensor):
-                tensors[dkey] = v.detach()
-                entry[k] = TENSOR
+                entry[k] = as_saved(info.local_rows(v.detach()), info)
             else:
-                entry[k] = ("value", v)
+                entry[k] = v.detach() if isinstance(v, torch.Tensor) else v
         if entry:
             state[name] = entry
-    kept = objects.apply_filter(
-        key, {"state": state, "param_groups": objects.optimizer_groups(osd["param_groups"],
-                                                                       names)}, filter)
-    if "state" in kept:
-        flat.update(tensors)
-    return {"module": mkey, "shapes": shapes, **kept}
+    groups = objects.optimizer_groups(osd["param_groups"], names)
+    return objects.apply_filter(key, {"state": state, "param_groups": groups}, filter)
 
 
-def signature(meta: Mapping[str, Any]) -> Any:
-    """What every rank's `plan` must agree on (names, shapes, kinds -- not values)."""
-    mods = {k: (tuple(d["keys"]), tuple(sorted(d["shapes"].items())))
-            for k, d in meta["modules"].items()}
-    opts = {k: tuple(sorted((n, tuple(sorted((s, v if isinstance(v, str) else "value")
-                                              for s, v in e.items())))
-                            for n, e in d.get("state", {}).items()))
-            for k, d in meta["optimizers"].items()}
-    return (tuple(meta["order"]), mods, opts)
-
-
-def write(tmp: Path, flat: dict[str, Any], group: comm.Group | None) -> None:
-    """DCP-save `flat` into the directory `tmp` (collective: every rank of the default group;
-    each rank writes and fsyncs its own file, rank 0 the `.metadata` index)."""
+def write(tmp: Path, tensors: dict[str, Any], group: comm.Group | None) -> None:
+    """DCP-save `tensors` into the directory `tmp` (collective: every rank of the default
+    group; each rank writes and fsyncs its own file, rank 0 the `.metadata` index)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
     planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
-    _dcp_call(lambda: dcp.save(flat, storage_writer=writer, planner=planner,
+    _dcp_call(lambda: dcp.save(tensors, storage_writer=writer, planner=planner,
                                no_dist=group is None), f"writing {str(tmp)!r}")
 
 
 def finish_meta(tmp: Path, meta: dict[str, Any]) -> None:
-    """Record the size of every file DCP wrote and write `meta.pt` (rank 0, after DCP)."""
+    """Write `meta.pt` (rank 0, after DCP) and make sure DCP's index is on disk."""
     from fullshard.checkpoint.atomic import fsync_file, save_file
 
     fsync_file(tmp / DCP_METADATA)  # DCP fsyncs the shard files, not necessarily its index
-    meta["files"] = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
     save_file(meta, tmp / META)
 
 
-# -- load -----------------------------------------------------------------------------------
-def read_meta(path: Path) -> dict[str, Any]:
-    """`meta.pt`, checked: readable, ours, and every file it lists present with its size."""
+# -- load: the files ------------------------------------------------------------------------
+def read_meta(path: Path, weights_only: bool = True) -> dict[str, Any]:
+    """`meta.pt`: the user's entries (a plain dict), read without running code by default."""
     file = path / META
     try:
-        meta = torch.load(file, map_location="cpu", weights_only=False)
-    except FileNotFoundError:
+        meta = safe_load.torch_load(file, weights_only=weights_only,
+                                    what="The sharded checkpoint's metadata file")
+    except (FileNotFoundError, CheckpointError):
         raise
     except Exception as e:
         raise CheckpointError(
             f"{str(file)!r} cannot be read ({type(e).__name__}: {e}); it is truncated or "
             f"corrupt, so the checkpoint {str(path)!r} cannot be loaded."
         ) from e
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+    if not isinstance(meta, dict):
         raise CheckpointError(
-            f"{str(file)!r} is not the meta.pt of a fullshard sharded checkpoint (format "
-            f"{found!r}, expected {FORMAT!r})."
+            f"{str(file)!r} holds a {type(meta).__name__}, not the dict of a sharded "
+            f"checkpoint's metadata."
         )
-    for name, size in meta.get("files", {}).items():
-        f = path / name
-        if not f.is_file():
-            raise CheckpointError(
-                f"The sharded checkpoint {str(path)!r} is missing its file {str(f)!r} "
-                f"({size} bytes when saved); it cannot be loaded."
-            )
-        found_size = f.stat().st_size
-        if found_size != size:
-            raise CheckpointError(
-                f"The checkpoint file {str(f)!r} has {found_size} bytes but {size} were "
-                f"written; it is truncated or was replaced, so {str(path)!r} cannot be loaded."
-            )
+    if meta.get("format") == OLD_FORMAT:
+        raise CheckpointError(
+            f"{str(path)!r} was written by an older fullshard ({OLD_FORMAT}); fullshard now "
+            f"writes Lightning's layout. Load it with the fullshard version that wrote it and "
+            f"save it again."
+        )
     return meta
 
 
-def read_index(path: Path) -> Any:
-    """DCP's `.metadata` (global shapes and dtypes of everything saved)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
+def read_index(path: Path, weights_only: bool = True) -> Any:
+    """DCP's `.metadata` (global shapes and dtypes of everything saved), checked against the
+    files on disk: every data file it points into is present and long enough."""
+    file = path / DCP_METADATA
+    if not file.is_file():
+        raise CheckpointError(
+            f"The sharded checkpoint {str(path)!r} is missing its file {str(file)!r} (DCP's "
+            f"index); it is incomplete and cannot be loaded."
+        )
     try:
-        return FileSystemReader(path).read_metadata()
+        index = safe_load.reader(path, weights_only).read_metadata()
+    except CheckpointError:
+        raise
     except Exception as e:
         raise CheckpointError(
-            f"{str(path / DCP_METADATA)!r} cannot be read ({type(e).__name__}: {e}); the "
-            f"checkpoint {str(path)!r} is incomplete or corrupt."
+            f"{str(file)!r} cannot be read ({type(e).__name__}: {e}); it is truncated or "
+            f"corrupt, so the checkpoint {str(path)!r} cannot be loaded."
         ) from e
+    needed: dict[str, int] = {}
+    for info in (getattr(index, "storage_data", None) or {}).values():
+        end = int(info.offset) + int(info.length)
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, size in sorted(needed.items()):
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(
+                f"The sharded checkpoint {str(path)!r} is missing its file {str(f)!r} (its "
+                f"index points {size} bytes into it); it cannot be loaded."
+            )
+        found = f.stat().st_size
+        if found < size:
+            raise CheckpointError(
+                f"The checkpoint file {str(f)!r} has {found} bytes but its index points {size} "
+                f"bytes into it; it is truncated, so {str(path)!r} cannot be loaded."
+            )
+    return index
 
 
-def read(path: Path, flat: dict[str, Any], group: comm.Group | None) -> None:
-    """DCP-load into the tensors of `flat` in place (collective over the default group)."""
+def entries(index: Any) -> dict[str, list[tuple[tuple[Any, ...], str, Any]]]:
+    """The index's items by top-level key: `{key: [(path, flat key, metadata), ...]}` where
+    `path` is the item's place in the saved nested dict (`('optimizer', 'state', name, 'step')`)."""
+    paths = index.planner_data if isinstance(index.planner_data, Mapping) else {}
+    out: dict[str, list[tuple[tuple[Any, ...], str, Any]]] = {}
+    for fqn, md in index.state_dict_metadata.items():
+        path = tuple(paths.get(fqn, ())) or tuple(fqn.split(".", 1))
+        out.setdefault(str(path[0]), []).append((path, fqn, md))
+    return out
+
+
+def kind_of_entry(items: list[tuple[tuple[Any, ...], str, Any]]) -> str:
+    """A top-level key holds an optimizer ('state'/'param_groups' below it) or a module."""
+    if any(len(p) >= 3 and p[1] in ("state", "param_groups") for p, _, _ in items):
+        return objects.OPTIMIZER
+    return objects.MODULE
+
+
+def unflatten(items: list[tuple[tuple[Any, ...], Any]]) -> Any:
+    """Rebuild nested dicts and lists from `(path, value)` pairs (int path parts are list
+    positions, as DCP writes them)."""
+    root: dict[Any, Any] = {}
+    for path, value in items:
+        node = root
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return _lists(root)
+
+
+def _lists(node: Any) -> Any:
+    if not isinstance(node, dict):
+        return node
+    out = {k: _lists(v) for k, v in node.items()}
+    if out and all(isinstance(k, int) for k in out):
+        return [out[i] for i in sorted(out)]
+    return out
+
+
+def read(path: Path, flat: dict[str, Any], group: comm.Group | None,
+         weights_only: bool = True) -> None:
+    """DCP-load into `flat` (flat key -> tensor to fill in place, or a placeholder a byte item
+    replaces). Collective over the default group."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     if not flat and group is None:
         return
-    reader = FileSystemReader(path)
-    _dcp_call(lambda: dcp.load(flat, storage_reader=reader, planner=DefaultLoadPlanner(),
+    reader = safe_load.reader(path, weights_only)
+    planner = safe_load.planner(path, weights_only)
+    _dcp_call(lambda: dcp.load(flat, storage_reader=reader, planner=planner,
                                no_dist=group is None), f"reading {str(path)!r}")
 
 
@@ -263,6 +324,10 @@ def _dcp_call(fn: Callable[[], Any], what: str) -> Any:
         try:
             return fn()
         except CheckpointException as e:  # a BaseException: `except Exception` misses it
+            for failure in e.failures.values():
+                inner = failure[0] if isinstance(failure, tuple) else failure
+                if isinstance(inner, safe_load.UnsafeCheckpointError):
+                    raise safe_load.UnsafeCheckpointError(str(inner)) from None
             raise CheckpointError(f"torch.distributed.checkpoint failed {what}: {e}") from None
         finally:
             # A cached DeviceMesh keeps its process group alive past destroy_process_group();
@@ -272,57 +337,65 @@ def _dcp_call(fn: Callable[[], Any], what: str) -> Any:
             _MESHES.clear()
 
 
+# -- load: into objects ---------------------------------------------------------------------
 def load(path: Path, meta: dict[str, Any], state: dict[str, Any], strict: bool,
-         group: comm.Group | None) -> dict[str, Any]:
+         group: comm.Group | None, weights_only: bool = True) -> dict[str, Any]:
     """Restore `state` in place from the checkpoint at `path` (collective when `group`);
-    return the entries of `meta.pt`'s state that `state` did not ask for."""
-    index = read_index(path)
+    return the entries of `meta.pt` that `state` did not ask for."""
+    index = read_index(path, weights_only)
+    saved = entries(index)
+    held = {k: kind_of_entry(v) for k, v in saved.items()}
     parts = objects.split_state(state)
-    held = {**{k: objects.MODULE for k in meta["modules"]},
-            **{k: objects.OPTIMIZER for k in meta["optimizers"]}}
     for key, obj in state.items():
         kind = objects.kind_of(obj)
-        if key not in held and key not in meta["state"]:
+        if key not in held and key not in meta:
             if strict:
                 raise objects.missing_key(key, path)
         elif kind in (objects.MODULE, objects.OPTIMIZER) and held.get(key) != kind:
             raise TypeError(
                 f"state[{key!r}] is {'a module' if kind == objects.MODULE else 'an optimizer'} "
                 f"but the checkpoint {str(path)!r} saved {key!r} as "
-                f"{'an optimizer' if held.get(key) == objects.OPTIMIZER else 'a value'}; "
+                f"{'an optimizer' if held.get(key) == objects.OPTIMIZER else 'a module' if held.get(key) else 'a value'}; "  # noqa: E501
                 f"use the key it was saved under."
             )
     modules = parts[objects.MODULE]
     finish: list[Callable[[], None]] = []
     flat: dict[str, Any] = {}
     for key, module in modules.items():
-        if key in meta["modules"]:
-            _request_module(key, module, meta["modules"][key], index, strict, flat, finish)
+        if key in held:
+            _request_module(key, module, saved[key], strict, flat, finish)
     for key, opt in parts[objects.OPTIMIZER].items():
-        if key in meta["optimizers"]:
-            _request_optimizer(key, opt, meta["optimizers"][key], modules, index, strict, flat,
-                               finish)
-    read(path, flat, group)
+        if key in held:
+            _request_optimizer(key, opt, saved[key], modules, strict, flat, finish)
+    read(path, flat, group, weights_only)
     for step in finish:
         step()
-    rest = dict(meta["state"])
+    rest = dict(meta)
     for key in list(parts[objects.STATEFUL]) + list(parts[objects.VALUE]):
         if key in rest:
             objects.restore(state, key, rest.pop(key))
     return rest
 
 
-def _request_module(key: str, module: nn.Module, desc: dict[str, Any], index: Any,
+def _request_module(key: str, module: nn.Module, items: list[tuple[tuple[Any, ...], str, Any]],
                     strict: bool, flat: dict[str, Any], finish: list[Callable[[], None]]) -> None:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     from fullshard.checkpoint.full import report_mismatch
 
     if objects.is_sharded(module):
         module.fullshard_runtime.release_all()  # type: ignore[attr-defined]
     by_id = {id(info.param): info for info in objects.module_params(module).values()}
     own = module.state_dict(keep_vars=True)
-    saved = set(desc["keys"])
+    tensors = {p[1]: md for p, _, md in items if len(p) == 2
+               and isinstance(md, TensorStorageMetadata)}
+    others: dict[str, list[tuple[tuple[Any, ...], str]]] = {}
+    for p, fqn, md in items:
+        if not (len(p) == 2 and isinstance(md, TensorStorageMetadata)):
+            others.setdefault(str(p[1]), []).append((p[2:], fqn))
+    saved = set(tensors) | set(others)
     missing = [k for k in own if k not in saved]
-    unexpected = [k for k in desc["keys"] if k not in own]
+    unexpected = sorted(k for k in saved if k not in own)
     if strict and (missing or unexpected):
         raise ValueError(
             f"The checkpoint's {key!r} does not match the module being loaded. Missing keys: "
@@ -330,48 +403,60 @@ def _request_module(key: str, module: nn.Module, desc: dict[str, Any], index: An
             f"to load the matching keys only."
         )
     report_mismatch(key, missing, unexpected)
-    taken: dict[int, str] = {}
+    taken: set[int] = set()
     for name, target in own.items():
-        if name not in saved or not isinstance(target, torch.Tensor):
+        if name in others and name.endswith("_extra_state"):
+            _request_extra(module, name, others[name], flat, finish)
+        if name not in tensors or not isinstance(target, torch.Tensor):
             continue
-        if id(target) in taken:  # tied here too: loaded under its first name
+        if id(target) in taken:  # tied: loaded once, under its first name
             continue
-        taken[id(target)] = name
-        source = desc["aliases"].get(name, name)
-        dkey = f"{key}.{source}"
+        taken.add(id(target))
         info = by_id.get(id(target))
         shape = tuple(info.shape) if info is not None else tuple(target.shape)
-        if tuple(desc["shapes"][source]) != shape:
+        found = tuple(tensors[name].size)
+        if found != shape:
             raise ValueError(
-                f"{key}.{name} has shape {tuple(desc['shapes'][source])} in the checkpoint but "
-                f"{shape} in the module being loaded (unsharded). Build the same model as when "
-                f"saving."
+                f"{key}.{name} has shape {found} in the checkpoint but {shape} in the module "
+                f"being loaded (unsharded). Build the same model as when saving."
             )
-        if info is not None:
-            view = info.local_rows(target.detach())  # load in place into the shard
-            tensor = as_saved(view, info)
+        if info is not None:  # load in place into the shard
+            flat[f"{key}.{name}"] = _load_target(info.local_rows(target.detach()), info, finish)
         else:
-            view = tensor = target.detach()
-        if dkey in flat:  # tied in the checkpoint, two tensors here: copy after the load
-            first = flat[dkey]
-            finish.append(lambda v=view, f=first: v.copy_(_local(f).reshape(v.shape)))
-            continue
-        flat[dkey] = tensor
+            flat[f"{key}.{name}"] = target.detach()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+def _request_extra(module: nn.Module, name: str, items: list[tuple[tuple[Any, ...], str]],
+                   flat: dict[str, Any], finish: list[Callable[[], None]]) -> None:
+    """A submodule's `get_extra_state()` value, saved as DCP byte item(s)."""
+    for _, fqn in items:
+        flat[fqn] = None
+    owner = module.get_submodule(name.rpartition(".")[0] if "." in name else "")
+
+    def restore() -> None:
+        value = unflatten([(p or ("value",), flat[fqn]) for p, fqn in items])
+        owner.set_extra_state(value["value"] if list(value) == ["value"] else value)
+
+    finish.append(restore)
 
 
-def _request_optimizer(key: str, optimizer: Any, desc: dict[str, Any],
-                       modules: Mapping[str, nn.Module], index: Any, strict: bool,
-                       flat: dict[str, Any], finish: list[Callable[[], None]]) -> None:
+def _request_optimizer(key: str, optimizer: Any, items: list[tuple[tuple[Any, ...], str, Any]],
+                       modules: Mapping[str, nn.Module], strict: bool, flat: dict[str, Any],
+                       finish: list[Callable[[], None]]) -> None:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     from fullshard.checkpoint.full import report_mismatch
 
     mkey, names = objects.optimizer_param_names(optimizer, modules, key)
     infos = objects.module_params(modules[mkey]) if names else {}
-    saved_state = desc.get("state", {})
-    unknown = sorted(set(saved_state) - set(names))
+    saved: dict[str, dict[str, tuple[str, Any]]] = {}
+    group_items: list[tuple[tuple[Any, ...], str]] = []
+    for p, fqn, md in items:
+        if p[1] == "state" and len(p) == 4:
+            saved.setdefault(str(p[2]), {})[str(p[3])] = (fqn, md)
+        elif p[1] == "param_groups":
+            group_items.append((p[2:], fqn))
+    unknown = sorted(set(saved) - set(names))
     if unknown:
         if strict:
             raise ValueError(
@@ -380,42 +465,47 @@ def _request_optimizer(key: str, optimizer: Any, desc: dict[str, Any],
             )
         report_mismatch(key, [], unknown)
     state: dict[int, dict[str, Any]] = {}
+    values: list[tuple[int, str, str]] = []  # non-tensor state, filled in after the load
     for i, name in enumerate(names):
         info = infos[name]
         entry: dict[str, Any] = {}
-        for k, kind in saved_state.get(name, {}).items():
-            dkey = f"{key}.state.{name}.{k}"
-            if not isinstance(kind, str):
-                entry[k] = kind[1]
+        for k, (fqn, md) in saved.get(name, {}).items():
+            if not isinstance(md, TensorStorageMetadata):
+                flat[fqn] = None
+                values.append((i, k, fqn))
                 continue
-            md = index.state_dict_metadata[dkey]
             dtype = md.properties.dtype
-            if kind == ROWS:
-                if tuple(md.size) != tuple(info.rows_shape):
-                    raise ValueError(
-                        f"The optimizer state {dkey!r} has shape {tuple(md.size)} in the "
-                        f"checkpoint but its parameter is {tuple(info.rows_shape)}; build the "
-                        f"same model as when saving."
-                    )
+            size = tuple(md.size)
+            if size == tuple(info.shape) and not (k == "step" and not info.shape):
+                # laid out like its parameter: this rank's rows
                 local = torch.empty(info.layout.local_shape, dtype=dtype,
                                     device=info.param.device)
-                flat[dkey] = as_saved(local, info)
+                flat[fqn] = _load_target(local, info, finish)
                 entry[k] = local.view(info.param.shape)
+            elif len(size) == len(info.shape) >= 1:
+                raise ValueError(
+                    f"The optimizer state {fqn!r} has shape {size} in the checkpoint but its "
+                    f"parameter is {tuple(info.shape)}; build the same model as when saving."
+                )
             else:
                 local = torch.empty(tuple(md.size), dtype=dtype)
-                flat[dkey] = local
+                flat[fqn] = local
                 entry[k] = local
-        if entry:
-            state[i] = entry
-    groups = objects.groups_to_load(list(desc.get("param_groups", [])), optimizer, names, key,
-                                    strict) if "param_groups" in desc else None
+        state[i] = entry
+    for _, fqn in group_items:
+        flat[fqn] = None
 
     def load() -> None:
-        if groups is None:  # filtered out when saving: keep the optimizer's own groups
-            current = optimizer.state_dict()["param_groups"]
-            optimizer.load_state_dict({"state": state, "param_groups": current})
+        for i, k, fqn in values:
+            state[i][k] = flat[fqn]
+        kept = {i: e for i, e in state.items() if e}
+        current = optimizer.state_dict()["param_groups"]
+        if not group_items:  # filtered out when saving: keep the optimizer's own groups
+            groups = current
         else:
-            optimizer.load_state_dict({"state": state, "param_groups": groups})
+            saved_groups = unflatten([(p, flat[fqn]) for p, fqn in group_items])
+            groups = objects.groups_to_load(list(saved_groups), optimizer, names, key, strict)
+        optimizer.load_state_dict({"state": kept, "param_groups": groups})
 
     finish.append(load)
 
