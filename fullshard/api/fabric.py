@@ -401,10 +401,13 @@ class Fabric:
         self.barrier()
 
     def load(self, path: str | os.PathLike, state: dict[str, Any] | None = None,
-             strict: bool = True) -> dict[str, Any]:
+             strict: bool = True, *, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint into `state` in place (models, optimizers, stateful objects and
-        plain values); return the checkpoint's entries `state` did not ask for."""
-        remainder = self._strategy.load_checkpoint(path, state, strict=strict)
+        plain values); return the checkpoint's entries `state` did not ask for.
+        `weights_only=False` unpickles objects other than tensors and plain values, which can
+        run code from the file: only for files you trust (None, the default, means True)."""
+        remainder = self._strategy.load_checkpoint(path, state, strict=strict,
+                                                   weights_only=weights_only)
         self.barrier()
         return remainder
 

@@ -549,13 +549,17 @@ class FSDPStrategy:
         path: str | os.PathLike,
         state: dict[str, Any] | nn.Module | None = None,
         strict: bool = True,
+        weights_only: bool | None = None,
     ) -> dict[str, Any]:
         """Load a checkpoint (either format, detected from disk; any world size) into `state`
-        in place; return the checkpoint's entries that `state` did not ask for. Collective."""
+        in place; return the checkpoint's entries that `state` did not ask for. Collective.
+        Files are read without running code from them unless `weights_only=False` (only for
+        files you trust); None means True."""
         from fullshard.checkpoint import load_checkpoint
 
         timeout = self._timeout.total_seconds() if self._timeout is not None else 1800.0
-        return load_checkpoint(path, state, strict=strict, timeout=timeout)
+        return load_checkpoint(path, state, strict=strict, timeout=timeout,
+                               weights_only=weights_only)
 
     def __repr__(self) -> str:
         return (
