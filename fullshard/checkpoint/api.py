@@ -14,7 +14,7 @@ The save sequence (see `atomic` for the crash-safety argument):
      all ranks agree -- on success and on what they are about to save, so a rank with other
      keys or other optimizer state fails loudly here instead of hanging in a collective later;
   3. the data is written under the temporary name (sharded: every rank through DCP, then
-     rank 0 `meta.pt` with the size of every file; full: rank 0 one file, gathered first);
+     rank 0 `meta.pt`; full: rank 0 one file, gathered first);
   4. all ranks agree that it is complete, then rank 0 renames it into place.
 A failure anywhere raises on every rank and leaves the target as it was.
 
@@ -23,6 +23,9 @@ file is full (either format loads into either kind of model). It restores in pla
 module, optimizer and stateful object in `state`, puts plain values into `state`, and returns
 the checkpoint's entries `state` did not ask for. For a sharded checkpoint those are the
 entries of `meta.pt`; sharded modules or optimizers that `state` does not name are not read.
+Both formats are Lightning Fabric's, so its checkpoints load here and ours load there. Every
+file is read without running code from it unless the caller passes `weights_only=False`
+(`safe_load`).
 """
 
 from __future__ import annotations
