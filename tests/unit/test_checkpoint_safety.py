@@ -53,9 +53,23 @@ class Point:
     y: int
 
 
+class Versioned(nn.ReLU):
+    """A module with extra state (a non-tensor state-dict entry, a DCP byte item)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.info = {"version": 1, "names": ["a"]}
+
+    def get_extra_state(self) -> dict:
+        return self.info
+
+    def set_extra_state(self, state: dict) -> None:
+        self.info = state
+
+
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    return nn.Sequential(nn.Linear(4, 3), Versioned(), nn.Linear(3, 2))
 
 
 def _state(model: nn.Module) -> dict:
@@ -172,6 +186,7 @@ def test_what_fullshard_writes_loads_under_the_default(tmp_path) -> None:
     for fmt in ("full", "sharded"):
         path = tmp_path / fmt
         state = _state(_model())
+        state["model"][1].info = {"version": 2, "names": ["b", "c"], "scale": 0.5}
         state.update(rng={"torch": torch.get_rng_state(), "python": random.getstate()},
                      lr=0.5, name="run-1", shape=torch.Size([2, 3]), flags=(True, None),
                      losses=[1.0, 0.5])
@@ -189,5 +204,6 @@ def test_what_fullshard_writes_loads_under_the_default(tmp_path) -> None:
             for k, v in state["optimizer"].state[a].items():
                 assert torch.equal(v, fresh["optimizer"].state[b][k]), k
         assert fresh["scheduler"].state_dict() == state["scheduler"].state_dict()
+        assert fresh["model"][1].info == {"version": 2, "names": ["b", "c"], "scale": 0.5}
         assert rest == {"lr": 0.5, "name": "run-1", "flags": (True, None),
                         "losses": [1.0, 0.5]}
