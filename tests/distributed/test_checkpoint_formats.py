@@ -96,7 +96,7 @@ def test_full_into_sharded_and_consolidate(group2: DistributedGroup, tmp_path, c
     for k, v in plain.state_dict().items():
         assert torch.equal(v, expected[k]), k
     # One implementation: consolidating gives exactly what the full save wrote.
-    cc.assert_same_full(torch.load(tmp_path / "full.pt", weights_only=False), consolidated,
+    cc.assert_same_full(torch.load(tmp_path / "full.pt", weights_only=True), consolidated,
                         keys=("model", "optimizer", "scheduler", "rng", "note"))
     assert consolidated["note"] == "hi"
     assert sorted(consolidated["optimizer"]["state"])[:2] == [
@@ -224,12 +224,12 @@ def test_strict_filter_remainder_stateful_optimizers(group2: DistributedGroup, t
             assert set(whole["optimizer"]) == {"param_groups"} and whole["step"] == 3
     assert outs[0]["warned"], "strict=False must say what it skipped (on rank 0)"
     if fmt == "full":  # the file: optimizer state keyed by name, plain torch.load works
-        ckpt = torch.load(tmp_path / "full-adamw", weights_only=False)
+        ckpt = torch.load(tmp_path / "full-adamw", weights_only=True)
         assert sorted(ckpt["optimizer"]["state"])[:2] == ["layers.0.bias", "layers.0.weight"]
         assert ckpt["optimizer"]["state"]["out_scale"]["exp_avg"].shape == ()
         assert sorted(ckpt["optimizer"]["param_groups"][1]["params"]) == [
             "layers.0.bias", "layers.1.bias", "layers.2.bias", "layers.3.bias", "out_scale"]
-        assert torch.load(tmp_path / "full-sgd", weights_only=False)["optimizer"]["state"] == {}
+        assert torch.load(tmp_path / "full-sgd", weights_only=True)["optimizer"]["state"] == {}
 
 
 # -- saving is collective -------------------------------------------------------------------------

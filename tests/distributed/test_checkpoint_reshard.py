@@ -54,12 +54,12 @@ def _shard_bytes(path) -> int:
 def test_two_ranks_to_three_hybrid_and_one_process(groups, tmp_path) -> None:
     root = str(tmp_path)
     straight = groups[2].run(_save_on_two, root)[0]["straight"]
-    reference = torch.load(f"{root}/full-2.pt", weights_only=False)
+    reference = torch.load(f"{root}/full-2.pt", weights_only=True)
 
     losses3 = groups[3].run(_resume, root, "FULL_SHARD", None, "3")
     losses4 = groups[4].run(_resume, root, "HYBRID_SHARD", (2, 2), "hybrid")
     for tag in ("3", "hybrid"):
-        cc.assert_same_full(reference, torch.load(f"{root}/full-{tag}.pt", weights_only=False))
+        cc.assert_same_full(reference, torch.load(f"{root}/full-{tag}.pt", weights_only=True))
     # Four HYBRID (2, 2) ranks hold every shard twice but write it once: the same bytes as the
     # two FULL_SHARD ranks (4 files, 2 of them with only what nobody else holds: nothing).
     assert _shard_bytes(tmp_path / "sharded-hybrid") == _shard_bytes(tmp_path / "sharded")
@@ -69,7 +69,7 @@ def test_two_ranks_to_three_hybrid_and_one_process(groups, tmp_path) -> None:
     state = cc.state_of(model, opt, sched)
     load_checkpoint(f"{root}/sharded", state)
     save_checkpoint(f"{root}/full-1.pt", state, state_dict_type="full")
-    cc.assert_same_full(reference, torch.load(f"{root}/full-1.pt", weights_only=False))
+    cc.assert_same_full(reference, torch.load(f"{root}/full-1.pt", weights_only=True))
     losses1 = cc.train(model, opt, sched, K)
 
     for losses in (losses3[0], losses4[0], losses1):
