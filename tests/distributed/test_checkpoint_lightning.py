@@ -11,7 +11,8 @@ head, rows that split over the ranks), trained 2 steps with AdamW and an LR sche
   with `fullshard.Fabric.load` into a fullshard-sharded model; its parameters and every
   optimizer state tensor equal Lightning's, gathered (`get_model_state_dict` /
   `get_optimizer_state_dict` with `full_state_dict=True`), exactly; so do the param groups,
-  the scheduler and the user's values.
+  the scheduler and the user's values. Lightning's sharded directory also consolidates
+  (`to_full`, what `fullshard consolidate` writes) into exactly that.
 - fullshard -> Lightning: the reverse, compared with fullshard's own full state.
 """
 
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fullshard
-from fullshard.checkpoint import full
+from fullshard.checkpoint import full, to_full
 from fullshard.testing import DistributedGroup
 from tests.distributed import ckpt_common as cc
 
@@ -137,8 +138,15 @@ def _lightning_to_fullshard(root: str, fmt: str) -> dict:
     fabric, model, opt, sched = _fullshard(seed=5)  # loading detects the format
     state = {"model": model, "optimizer": opt, "scheduler": sched, "step": 0}
     rest = fabric.load(path, state)
-    return {"diff": _compare(expected, _fullshard_full(model, opt)), "rest": rest,
-            "step": state["step"], "sched": sched.state_dict() == lsched.state_dict()}
+    consolidated: list[str] = []
+    if fmt == "sharded" and dist.get_rank() == 0:  # `fullshard consolidate` reads it too
+        whole = to_full(path)
+        consolidated = _compare(expected, whole) + (
+            [] if whole["step"] == 2 and whole["scheduler"] == lsched.state_dict()
+            else ["meta.pt entries"])
+    return {"diff": _compare(expected, _fullshard_full(model, opt)) + consolidated,
+            "rest": rest, "step": state["step"],
+            "sched": sched.state_dict() == lsched.state_dict()}
 
 
 def _fullshard_to_lightning(root: str, fmt: str) -> dict:
