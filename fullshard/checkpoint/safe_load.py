@@ -81,7 +81,8 @@ def _global_named(message: str) -> str | None:
 
 def _refusal(path: Path, what: str, name: str | None) -> str:
     where = locate(path, name) if name else None
-    found = f"an object of type {name}" if name else "an object that is not plain data"
+    found = f"an object of type (or built by) `{name}`" if name else \
+        "an object that is not plain data"
     at = f" at {where}" if where else ""
     return (
         f"{what} {str(path)!r} holds {found}{at}, which loading with weights_only=True (the "
