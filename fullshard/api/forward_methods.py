@@ -17,6 +17,7 @@ itself (sharded in place), so:
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable
 from typing import Any
@@ -64,6 +65,7 @@ def mark_forward_method(model: nn.Module, method: str | Callable[..., Any]) -> N
         return
     marked.add(name)
 
+    @functools.wraps(original)
     def call_through_forward(*args: Any, **kwargs: Any) -> Any:
         def redirected(*a: Any, **kw: Any) -> Any:
             # The method may call self.forward itself: restore it before running the method.
