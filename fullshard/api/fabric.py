@@ -133,7 +133,8 @@ class Fabric:
                     f"Fabric(precision={name!r}) conflicts with the strategy's "
                     f"precision={own!r}; set it in one place."
                 )
-            self._strategy.precision = wanted
+            # The name, not the object: the strategy builds the plugin for its own device.
+            self._strategy.precision = name
         self._strategy.validate_world(len(parallel) * num_nodes)
         self._strategy._set_world_ranks()
         self._strategy._configure_launcher()
