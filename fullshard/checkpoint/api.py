@@ -214,6 +214,7 @@ def load_checkpoint(
     *,
     strict: bool = True,
     timeout: float = DEFAULT_TIMEOUT,
+    weights_only: bool | None = None,
 ) -> dict[str, Any]:
     """Load the checkpoint at `path` (format detected from disk) into `state` in place and
     return its entries that `state` did not ask for. Collective.
@@ -221,7 +222,8 @@ def load_checkpoint(
     `state` may be a dict (modules, optimizers, stateful objects, values), a single module
     (its weights only), or None (returns the whole checkpoint as a full-format dict; for a
     sharded checkpoint every rank then reads all of it). `strict=False` tolerates keys missing
-    on either side and warns about them.
+    on either side and warns about them. `weights_only=True` refuses files that would need
+    to run pickled code (`torch.load(weights_only=True)`).
     """
     group = atomic.world()
     _guard(group, "load_checkpoint", timeout)
@@ -242,26 +244,26 @@ def load_checkpoint(
         )
     if state is None:
         if fmt == "full":
-            return full.read(path)
+            return full.read(path, weights_only)
         from fullshard.checkpoint.consolidate import to_full
 
         return to_full(path)
     if isinstance(state, nn.Module):
-        return _load_module_only(path, fmt, state, strict, group)
+        return _load_module_only(path, fmt, state, strict, group, weights_only)
     if not isinstance(state, dict):
         raise TypeError(
             f"load_checkpoint(state=...) takes a dict of the objects to restore, a module, or "
             f"None; got {type(state).__name__}."
         )
     if fmt == "full":
-        return full.load(full.read(path), state, strict, path)
-    return sharded.load(path, sharded.read_meta(path), state, strict, group)
+        return full.load(full.read(path, weights_only), state, strict, path)
+    return sharded.load(path, sharded.read_meta(path, weights_only), state, strict, group)
 
 
 def _load_module_only(path: Path, fmt: str, module: nn.Module, strict: bool,
-                      group: comm.Group | None) -> dict[str, Any]:
+                      group: comm.Group | None, weights_only: bool | None) -> dict[str, Any]:
     if fmt == "sharded":
-        meta = sharded.read_meta(path)
+        meta = sharded.read_meta(path, weights_only)
         keys = list(meta["modules"])
         if len(keys) != 1:
             raise ValueError(
@@ -270,7 +272,7 @@ def _load_module_only(path: Path, fmt: str, module: nn.Module, strict: bool,
             )
         sharded.load(path, meta, {keys[0]: module}, strict, group)
         return {}
-    ckpt = full.read(path)
+    ckpt = full.read(path, weights_only)
     candidates = [k for k, v in ckpt.items() if isinstance(v, Mapping)]
     if all(not isinstance(v, Mapping) for v in ckpt.values()):
         sd: Any = ckpt  # a bare state dict: torch.save(model.state_dict(), path)

@@ -20,6 +20,7 @@ index (a plain `torch.save(optimizer.state_dict())`) loads too.
 
 from __future__ import annotations
 
+import pickle
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -121,11 +122,16 @@ def optimizer_state(
 
 
 # -- load -----------------------------------------------------------------------------------------
-def read(path: Path) -> dict[str, Any]:
+def read(path: Path, weights_only: bool | None = None) -> dict[str, Any]:
     """The checkpoint file, memory-mapped (tensors are read only where they are used)."""
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=bool(weights_only), mmap=True)
     except Exception as e:  # a truncated zip, a pickle error, ...
+        if weights_only and isinstance(e, pickle.UnpicklingError):
+            raise ValueError(
+                f"weights_only=True refused {str(path)!r}: it holds objects beyond tensors and "
+                f"plain containers ({e}). Pass weights_only=False only if you trust the file."
+            ) from e
         raise RuntimeError(
             f"The full checkpoint file {str(path)!r} cannot be read ({type(e).__name__}: {e}); "
             f"it is truncated or corrupt. Use another checkpoint."

@@ -193,11 +193,11 @@ def finish_meta(tmp: Path, meta: dict[str, Any]) -> None:
 
 
 # -- load -----------------------------------------------------------------------------------
-def read_meta(path: Path) -> dict[str, Any]:
+def read_meta(path: Path, weights_only: bool | None = None) -> dict[str, Any]:
     """`meta.pt`, checked: readable, ours, and every file it lists present with its size."""
     file = path / META
     try:
-        meta = torch.load(file, map_location="cpu", weights_only=False)
+        meta = torch.load(file, map_location="cpu", weights_only=bool(weights_only))
     except FileNotFoundError:
         raise
     except Exception as e:

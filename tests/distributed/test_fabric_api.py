@@ -5,6 +5,7 @@ init_tensor, and Lightning's ThroughputMonitor / measure_flops on a fullshard Fa
 
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
 import os
@@ -177,6 +178,20 @@ def _models(tmp: str) -> dict:
         fabric.load_raw(path, opt)
     except TypeError as e:
         out["load_raw_opt"] = str(e)
+    # weights_only: a file that also pickles an object is refused with True, read with False.
+    with_args = Path(tmp) / "with_args.pt"
+    if fabric.global_rank == 0:
+        torch.save({"model": reference.state_dict(), "args": argparse.Namespace(lr=0.1)},
+                   with_args)
+    fabric.barrier()
+    try:
+        fabric.load_raw(with_args, model, weights_only=True)
+    except ValueError as e:
+        out["weights_only"] = str(e)
+    fabric.load_raw(with_args, model, weights_only=False)
+    full = fullshard.full_state_dict(model)
+    out["weights_only_false"] = all(torch.equal(full[k].cpu(), v)
+                                    for k, v in reference.state_dict().items())
 
     with fabric.init_tensor():
         t = torch.empty(2)
@@ -196,6 +211,7 @@ def test_sharded_model_api(group2: DistributedGroup, tmp_path: Path) -> None:
         assert r["unmarked"] != "ran"  # the root's embedding is sharded outside forward
         assert r["marked"] and r["marked_again"] and r["forward"]
         assert r["load_raw"] and "fabric.save" in r["load_raw_opt"]
+        assert "weights_only=True refused" in r["weights_only"] and r["weights_only_false"]
         assert r["init_tensor"] == (torch.float32, "cpu")
         assert any("init_module" in m for m in r["deprecated"])
 
