@@ -6,8 +6,9 @@ model as `model.module` and make methods other than `forward` (e.g. `generate`) 
 the strategy with `model.mark_forward_method("generate")`. fullshard returns the user's model
 itself (sharded in place), so:
 
-- `model.module` is the model itself (an instance attribute, set only when the class has no
-  `module` of its own, so a real submodule or attribute of that name is never shadowed);
+- `model.module` is the model seen as an instance of the user's own class, sharing all its
+  state (see `_module_view`; added only when the class has no `module` of its own, so a
+  real submodule or attribute of that name is never shadowed);
 - `model.mark_forward_method(name)` / `fabric.mark_forward_method(model, name)` make
   `model.<name>(...)` run as a forward of the root: the call goes through `model(...)` --
   the root unit's gather, the precision's casts and context, then the release -- with
@@ -24,16 +25,46 @@ from typing import Any
 
 from torch import nn
 
+from fullshard.engine.module import FullyShardedModule
+
 _MARKED = "_fullshard_forward_methods"
+_ALIASED: dict[type, type] = {}  # class -> its subclass with the `module` property
 
 
 def attach(model: nn.Module) -> None:
-    """Give `model` the `module` alias and `mark_forward_method` (instance attributes only)."""
+    """Give `model` the `module` alias and `mark_forward_method` (see the module docstring)."""
     if not _has_attribute(model, "module"):
-        object.__setattr__(model, "module", model)  # plain attribute: not a submodule
+        cls = type(model)
+        with_alias = _ALIASED.get(cls)
+        if with_alias is None:
+            with_alias = type(cls.__name__, (cls,), {"module": property(_module_view),
+                                                     "__module__": cls.__module__,
+                                                     "__qualname__": cls.__qualname__})
+            _ALIASED[cls] = with_alias
+        model.__class__ = with_alias
     if not _has_attribute(model, "mark_forward_method"):
         object.__setattr__(model, "mark_forward_method",
                            types.MethodType(mark_forward_method, model))
+
+
+def _module_view(model: nn.Module) -> nn.Module:
+    """`model.module`: the model seen as an instance of the user's own class.
+
+    It shares the model's `__dict__` (the same dict object: parameters, submodules, hooks and
+    every attribute, read or written through either), so it *is* the model in all but its
+    class -- which lacks this property, so `view.module` does not exist. A self-reference
+    (`model.module is model`) would send the unwrap loops of other libraries
+    (`while hasattr(m, "module"): m = m.module` in transformers' `unwrap_model`, timm) into
+    endless recursion; with the view they stop after one step, as for a DDP wrapper.
+    """
+    submodule = model.__dict__["_modules"].get("module")
+    if submodule is not None:  # a real child named `module` (assigned after setup) wins
+        return submodule
+    own = next(c for c in type(model).__mro__
+               if c not in _ALIASED.values() and not issubclass(c, FullyShardedModule))
+    view = object.__new__(own)
+    object.__setattr__(view, "__dict__", model.__dict__)
+    return view
 
 
 def _has_attribute(model: nn.Module, name: str) -> bool:

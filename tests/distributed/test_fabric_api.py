@@ -143,7 +143,9 @@ def _models(tmp: str) -> dict:
     reference = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = fabric.setup(model, opt)
-    out["module_is_model"] = model.module is model
+    view = model.module  # the user's class, sharing the model's state
+    out["module_is_model"] = (type(view) is GPTWithEmbed and view.tok is model.tok
+                              and not hasattr(view, "module"))
     try:
         fabric.setup(model)
     except ValueError as e:
@@ -163,6 +165,7 @@ def _models(tmp: str) -> dict:
     fabric.mark_forward_method(model, model.embed)  # again, by bound method: a no-op
     out["marked_again"] = torch.equal(model.embed(idx), reference.embed(idx))
     out["forward"] = torch.equal(model(idx), reference(idx))
+    out["module_forward"] = torch.equal(model.module(idx), reference(idx))
 
     # load_raw: a plain state dict written without Fabric, into a set-up model.
     path = Path(tmp) / "raw.pt"
@@ -209,7 +212,7 @@ def test_sharded_model_api(group2: DistributedGroup, tmp_path: Path) -> None:
         assert r["module_is_model"]
         assert "already set up by Fabric" in r["twice"] and "only once" in r["twice_module"]
         assert r["unmarked"] != "ran"  # the root's embedding is sharded outside forward
-        assert r["marked"] and r["marked_again"] and r["forward"]
+        assert r["marked"] and r["marked_again"] and r["forward"] and r["module_forward"]
         assert r["load_raw"] and "fabric.save" in r["load_raw_opt"]
         assert "weights_only=True refused" in r["weights_only"] and r["weights_only_false"]
         assert r["init_tensor"] == (torch.float32, "cpu")

@@ -320,7 +320,17 @@ class WithGenerate(torch.nn.Module):
 def test_mark_forward_method_routes_through_the_forward_hooks() -> None:
     model = WithGenerate()
     attach(model)
-    assert model.module is model and "module" not in dict(model.named_modules())
+    view = model.module
+    assert type(view) is WithGenerate and isinstance(model, WithGenerate)
+    assert view.lin is model.lin and "module" not in dict(model.named_modules())
+    view.extra = 3  # one state: written through the view, read on the model
+    assert model.extra == 3
+    assert torch.equal(view(torch.ones(1, 2)), model(torch.ones(1, 2)))
+
+    def unwrap(m):  # transformers' / timm's unwrap_model: must stop, not recurse forever
+        return unwrap(m.module) if hasattr(m, "module") else m
+
+    assert type(unwrap(model)) is WithGenerate
     calls = []
     model.register_forward_pre_hook(lambda m, a: calls.append(a[0].shape))
     x = torch.ones(1, 2)
