@@ -1,7 +1,7 @@
 """Pretrain a small GPT the way litgpt's `pretrain.py` does, on fullshard's Fabric.
 
-    fullshard run --nproc-per-node 2 examples/pretrain.py --out-dir out/pretrain
-    fullshard run --nproc-per-node 2 examples/pretrain.py --out-dir out/pretrain --resume auto
+    fullshard run --nproc 2 examples/pretrain.py --out-dir out/pretrain
+    fullshard run --nproc 2 examples/pretrain.py --out-dir out/pretrain --resume auto
     python examples/pretrain.py --devices 1 --micro-batch-size 8 --out-dir out/one
 
 The loop is litgpt's, with only the imports changed: loggers (a CSV logger in

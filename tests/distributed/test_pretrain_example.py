@@ -41,7 +41,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     # One process, 4 rows x 2 micro-batches = the global batch of 8; stops after step 3.
     launch([sys.executable, SCRIPT, "--devices", "1", "--micro-batch-size", "4",
             "--out-dir", str(one), "--throughput", "simple", *COMMON, "--max-steps", "3"])
-    fullshard_run = [sys.executable, "-m", "fullshard.cli", "run", "--nproc-per-node", "2",
+    fullshard_run = [sys.executable, "-m", "fullshard.cli", "run", "--nproc", "2",
                      SCRIPT, "--micro-batch-size", "2", *COMMON]
     launch([*fullshard_run, "--out-dir", str(two)])  # Lightning's ThroughputMonitor if present
     ckpt = one / "step-00000003" / "lit_model.pth"
