@@ -395,7 +395,7 @@ class Fabric:
         """Load a checkpoint into `state` in place (models, optimizers, stateful objects and
         plain values); return the checkpoint's entries `state` did not ask for."""
         remainder = self._strategy.load_checkpoint(path, state, strict=strict,
-                                                   **_weights_only(weights_only))
+                                                   weights_only=_weights_only(weights_only))
         self.barrier()
         return remainder
 
@@ -412,7 +412,8 @@ class Fabric:
             )
         if not isinstance(obj, nn.Module):
             raise TypeError(f"load_raw(path, obj) takes an nn.Module, got {type(obj).__name__}")
-        self._strategy.load_checkpoint(path, obj, strict=strict, **_weights_only(weights_only))
+        self._strategy.load_checkpoint(path, obj, strict=strict,
+                                       weights_only=_weights_only(weights_only))
         self.barrier()
 
     # -- collectives, printing, callbacks, logging ------------------------------------------
@@ -488,13 +489,12 @@ class Fabric:
         return _seed_everything(seed, True if workers is None else workers, verbose)
 
 
-def _weights_only(weights_only: bool | None) -> dict[str, Any]:
-    """Forward `weights_only` only when set, so the default path is the strategy's own."""
-    if weights_only is None:
-        return {}
-    if not isinstance(weights_only, bool):
+def _weights_only(weights_only: bool | None) -> bool | None:
+    """`weights_only`, checked: True (tensors and plain containers only), False, or None (the
+    checkpoint reader's default)."""
+    if weights_only is not None and not isinstance(weights_only, bool):
         raise TypeError(f"weights_only must be True, False or None, got {weights_only!r}")
-    return {"weights_only": weights_only}
+    return weights_only
 
 
 def _accepted_kwargs(method: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:

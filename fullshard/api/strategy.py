@@ -563,8 +563,8 @@ class FSDPStrategy:
         from fullshard.checkpoint import load_checkpoint
 
         timeout = self._timeout.total_seconds() if self._timeout is not None else 1800.0
-        extra = {} if weights_only is None else {"weights_only": weights_only}
-        return load_checkpoint(path, state, strict=strict, timeout=timeout, **extra)
+        return load_checkpoint(path, state, strict=strict, timeout=timeout,
+                               weights_only=weights_only)
 
     def __repr__(self) -> str:
         return (
