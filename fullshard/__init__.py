@@ -7,6 +7,7 @@ keeps about 1/N of the model state.
 
 from fullshard.api.fabric import Fabric, seed_everything
 from fullshard.api.functional import fsdp
+from fullshard.api.loggers import CSVLogger
 from fullshard.api.strategy import FSDPStrategy
 from fullshard.config import (
     CPUOffload,
@@ -23,6 +24,7 @@ from fullshard.planner import PlanTable, plan
 
 __all__ = [
     "CPUOffload",
+    "CSVLogger",
     "FSDPBucketingStrategy",
     "FSDPStrategy",
     "FSDPType",

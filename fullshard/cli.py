@@ -44,7 +44,7 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
         epilog=_RUN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--nproc-per-node", "--nproc_per_node", "--devices", default="1",
+    p.add_argument("--nproc-per-node", "--nproc_per_node", "--nproc", "--devices", default="1",
                    metavar="N", help="processes on this machine: an int, or torchrun's 'auto', "
                    "'cpu', 'gpu' (default: 1)")
     p.add_argument("--nnodes", "--num-nodes", type=int, default=1, metavar="M",

@@ -1,16 +1,21 @@
-"""`fullshard.Fabric`: the subset of Lightning Fabric's API a training script needs.
+"""`fullshard.Fabric`: Lightning Fabric's API for training scripts, on the fullshard engine.
 
 Same names and meanings as `lightning.fabric.Fabric`, so a script ports by changing its
-imports. It is thin: it resolves `accelerator` / `strategy` / `devices` / `num_nodes` /
-`precision` into an `FSDPStrategy` (the work of Lightning's connector), starts the ranks
-(`launch`) and forwards everything else to the strategy. It owns no sharding logic.
+imports (the README's porting section lists every name, what is the same and what differs).
+It is thin: `api.connector` resolves `accelerator` / `strategy` / `devices` / `num_nodes` /
+`precision` / `plugins` into an `FSDPStrategy`, `launch` starts the ranks, and everything else
+is forwarded to the strategy or to one module per concern: `api.data` (dataloaders and
+samplers), `api.batches` (moving batches), `api.collectives` (`all_gather` / `all_reduce`),
+`api.loggers` (`log`, `log_dict`, the CSV logger), `api.seed`, `api.forward_methods`
+(`model.module`, `mark_forward_method`). It owns no sharding logic.
 
 Differences from Lightning worth knowing:
 - `setup` returns the model object itself (sharded in place) and the optimizers themselves,
   not `_FabricModule` / `_FabricOptimizer` wrappers: the precision's forward context and
   casts are hooks on the model, and under '16-mixed' `optimizer.step()` goes through the
-  gradient scaler (see `fullshard.api.precision`). `fabric.backward(loss)` scales the loss
-  under '16-mixed' and is otherwise the same as `loss.backward()`.
+  gradient scaler (see `fullshard.api.precision`). `model.module` is the model itself.
+  `fabric.backward(loss)` scales the loss under '16-mixed' and is otherwise the same as
+  `loss.backward()`.
 - strategies: 'fsdp' (FULL_SHARD), 'ddp' (NO_SHARD, i.e. replicated: DDP's numerics), an
   `FSDPStrategy`; accelerators: 'auto', 'cpu', 'cuda'/'gpu'.
 - `launch()` also works under `fullshard run` / torchrun / SLURM (it then starts nothing).
@@ -21,16 +26,27 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-import random
-from collections.abc import Callable, Iterator, Sequence
+import warnings
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from torch.utils.data import DataLoader
 
+from fullshard.api import collectives, forward_methods
+from fullshard.api.batches import move_to_device
+from fullshard.api.connector import (
+    resolve_accelerator,
+    resolve_devices,
+    resolve_plugins,
+    resolve_strategy,
+)
+from fullshard.api.data import DeviceDataLoader, distributed_sampler, with_sampler
+from fullshard.api.loggers import check_loggers, to_scalars
+from fullshard.api.precision import Precision
+from fullshard.api.seed import seed_everything as _seed_everything
 from fullshard.api.strategy import FSDPStrategy
 from fullshard.config import resolve_precision
 from fullshard.distributed.environment import (
@@ -38,81 +54,15 @@ from fullshard.distributed.environment import (
     detect_environment,
     launched_world_size,
 )
+from fullshard.engine.module import FullyShardedModule
 
-_SEED_VAR = "FULLSHARD_GLOBAL_SEED"
-_STRATEGIES = ("fsdp", "ddp", "fsdp_cpu_offload")
-
-
-def seed_everything(seed: int | None = None, workers: bool = False) -> int:
-    """Seed Python's `random`, numpy (when installed) and torch on every device; return the
-    seed. `None` reads `FULLSHARD_GLOBAL_SEED` (or `PL_GLOBAL_SEED`), else uses 0. With
-    `workers`, DataLoaders set up by `Fabric.setup_dataloaders` seed their workers from it."""
-    if seed is None:
-        env = os.environ.get(_SEED_VAR) or os.environ.get("PL_GLOBAL_SEED")
-        seed = int(env) if env else 0
-    if not isinstance(seed, int) or not 0 <= seed < 2**32:
-        raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
-    os.environ[_SEED_VAR] = str(seed)
-    os.environ["FULLSHARD_SEED_WORKERS"] = "1" if workers else "0"
-    random.seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed)
-    except ImportError:
-        pass
-    torch.manual_seed(seed)
-    return seed
+_SET_UP = "_fullshard_set_up_by_fabric"
 
 
-def _seed_worker(worker_id: int) -> None:
-    base = int(os.environ.get(_SEED_VAR, "0"))
-    rank = int(os.environ.get("RANK", "0"))
-    seed = (base + 1000 * rank + worker_id) % 2**32
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed)
-    except ImportError:
-        pass
-
-
-def _move(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, dict):
-        return type(obj)((k, _move(v, device)) for k, v in obj.items())
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_move(v, device) for v in obj))
-    if isinstance(obj, list | tuple):
-        return type(obj)(_move(v, device) for v in obj)
-    return obj
-
-
-class DeviceDataLoader:
-    """A DataLoader that moves each batch to the device and calls `sampler.set_epoch` on
-    every new pass (as Lightning's `_FabricDataLoader`). Other attributes pass through."""
-
-    def __init__(self, loader: DataLoader, device: torch.device | None) -> None:
-        self._loader = loader
-        self._device = device
-        self._epoch = 0
-
-    def __len__(self) -> int:
-        return len(self._loader)
-
-    def __iter__(self) -> Iterator[Any]:
-        sampler = getattr(self._loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(self._epoch)  # type: ignore[union-attr]
-        self._epoch += 1
-        for batch in self._loader:
-            yield batch if self._device is None else _move(batch, self._device)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
+def seed_everything(seed: int | None = None, workers: bool = False, verbose: bool = True) -> int:
+    """See `fullshard.api.seed.seed_everything` (module-level default: `workers=False`, as
+    Lightning's function; `Fabric.seed_everything` defaults to `workers=True`)."""
+    return _seed_everything(seed, workers, verbose)
 
 
 class Fabric:
@@ -127,6 +77,12 @@ class Fabric:
         num_nodes: machines.
         precision: '32-true', '16-mixed', 'bf16-mixed', '16-true', 'bf16-true' (or 32, 16,
             'bf16').
+        plugins: a precision plugin (`fullshard.api.precision.Precision`, a precision string,
+            or Lightning's `FSDPPrecision` / `MixedPrecision` / `HalfPrecision`) and/or a
+            `ClusterEnvironment`; one or a list.
+        callbacks: objects whose methods `fabric.call(name, ...)` runs; one or a list.
+        loggers: objects with Lightning's logger methods (`fullshard.CSVLogger`, Lightning's
+            loggers); one or a list.
     """
 
     def __init__(
@@ -137,14 +93,20 @@ class Fabric:
         devices: int | str | Sequence[int] = "auto",
         num_nodes: int = 1,
         precision: str | int | None = None,
+        plugins: Any = None,
+        callbacks: Any = None,
+        loggers: Any = None,
     ) -> None:
-        self._strategy = _resolve_strategy(strategy)
-        self._strategy.accelerator = _resolve_accelerator(accelerator, self._strategy.accelerator)
+        self._strategy = resolve_strategy(strategy)
+        self._strategy.accelerator = resolve_accelerator(accelerator, self._strategy.accelerator)
         device_type = self._strategy.accelerator
+        plugin_precision, plugin_env = resolve_plugins(plugins)
+        if plugin_env is not None:
+            self._strategy.cluster_environment = plugin_env
         env = self._strategy.cluster_environment or detect_environment()
         self._strategy.cluster_environment = env
         explicit = devices != "auto" or num_nodes != 1
-        parallel = _resolve_devices(devices, device_type)
+        parallel = resolve_devices(devices, device_type)
         if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or num_nodes < 1:
             raise ValueError(f"num_nodes must be an int >= 1, got {num_nodes!r}")
         external = env.creates_processes_externally and not isinstance(env, LocalEnvironment)
@@ -153,24 +115,34 @@ class Fabric:
             if not explicit:  # take the launcher's shape
                 per_node = launched_world_size() or world
                 num_nodes = max(1, world // per_node)
-                parallel = _resolve_devices(per_node, device_type)
+                parallel = resolve_devices(per_node, device_type)
             env.validate_settings(len(parallel), num_nodes)
         self._strategy.parallel_devices = parallel
         self._strategy.num_nodes = num_nodes
-        if precision is not None:
-            wanted = resolve_precision(precision)
+        if precision is not None and plugin_precision is not None:
+            raise ValueError(
+                f"Fabric(precision={precision!r}) and a precision plugin in plugins= both set the "
+                f"precision; set it in one place."
+            )
+        wanted = plugin_precision if plugin_precision is not None else precision
+        if wanted is not None:
+            name = wanted.precision if isinstance(wanted, Precision) else resolve_precision(wanted)
             own = self._strategy._precision
-            if own is not None and own != wanted:
+            if own is not None and own != name:
                 raise ValueError(
-                    f"Fabric(precision={precision!r}) conflicts with the strategy's "
+                    f"Fabric(precision={name!r}) conflicts with the strategy's "
                     f"precision={own!r}; set it in one place."
                 )
-            self._strategy.precision = wanted
+            # The name, not the object: the strategy builds the plugin for its own device.
+            self._strategy.precision = name
         self._strategy.validate_world(len(parallel) * num_nodes)
         self._strategy._set_world_ranks()
         self._strategy._configure_launcher()
         self._launched = False
-        self._models_setup = 0
+        if callbacks is None:
+            callbacks = []
+        self._callbacks = list(callbacks) if isinstance(callbacks, list | tuple) else [callbacks]
+        self._loggers = check_loggers(loggers)
 
     # -- facts ------------------------------------------------------------------------------
     @property
@@ -204,6 +176,17 @@ class Fabric:
     @property
     def is_global_zero(self) -> bool:
         return self.global_rank == 0
+
+    @property
+    def loggers(self) -> list[Any]:
+        return self._loggers
+
+    @property
+    def logger(self) -> Any:
+        """The first logger."""
+        if not self._loggers:
+            raise IndexError("This Fabric has no loggers; pass Fabric(loggers=CSVLogger(...)).")
+        return self._loggers[0]
 
     # -- launching --------------------------------------------------------------------------
     def launch(self, function: Callable[..., Any] | None = None, *args: Any, **kwargs: Any) -> Any:
@@ -250,17 +233,34 @@ class Fabric:
         self._strategy.setup_environment()
 
     # -- setting objects up -----------------------------------------------------------------
+    def _check_not_set_up(self, module: nn.Module, what: str) -> None:
+        self._validate_launched()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"{what}() takes an nn.Module, got {type(module).__name__}")
+        if module.__dict__.get(_SET_UP):
+            raise ValueError(
+                f"{type(module).__name__} was already set up by Fabric; a model is passed to "
+                f"setup()/setup_module() only once. Use the model it returned (to add an "
+                f"optimizer later, use fabric.setup_optimizers(optimizer))."
+            )
+
+    def _finish_setup(self, module: nn.Module) -> nn.Module:
+        object.__setattr__(module, _SET_UP, True)
+        forward_methods.attach(module)
+        return module
+
     def setup(self, module: nn.Module, *optimizers: Optimizer, scheduler: Any = None,
               move_to_device: bool = True) -> Any:
         """Shard `module`; point optimizers built on its parameters at the shards.
 
         Returns `module` alone, or `(module, *optimizers)` (plus `scheduler` when given).
+        Setting up the same model twice is a `ValueError`.
         """
-        self._validate_launched()
+        self._check_not_set_up(module, "setup")
         module, opts, scheduler = self._strategy.setup_module_and_optimizers(
             module, optimizers, scheduler
         )
-        self._models_setup += 1
+        self._finish_setup(module)
         if not opts and scheduler is None:
             return module
         out = (module, *opts)
@@ -268,10 +268,8 @@ class Fabric:
 
     def setup_module(self, module: nn.Module, move_to_device: bool = True) -> nn.Module:
         """Shard `module`; create the optimizer from its parameters afterwards."""
-        self._validate_launched()
-        module = self._strategy.setup_module(module)
-        self._models_setup += 1
-        return module
+        self._check_not_set_up(module, "setup_module")
+        return self._finish_setup(self._strategy.setup_module(module))
 
     def setup_optimizers(self, *optimizers: Optimizer) -> Any:
         """Check optimizers created from the parameters of a model set up before."""
@@ -283,61 +281,53 @@ class Fabric:
 
     def setup_dataloaders(self, *dataloaders: DataLoader, use_distributed_sampler: bool = True,
                           move_to_device: bool = True) -> Any:
-        """Give each loader a `DistributedSampler` over the data-parallel ranks (shuffling if
-        it shuffled before) and move its batches to `fabric.device`."""
+        """Give each loader its share of the data (`api.data`: a `DistributedSampler`, or a
+        custom sampler kept and wrapped) and move its batches to `fabric.device`."""
         if not dataloaders:
             raise ValueError("setup_dataloaders() needs at least one DataLoader.")
         self._validate_launched()
         out = []
         for loader in dataloaders:
+            if isinstance(loader, DeviceDataLoader):
+                raise ValueError("This DataLoader was already set up by setup_dataloaders().")
             if not isinstance(loader, DataLoader):
                 raise TypeError(f"setup_dataloaders() takes DataLoaders, got {type(loader)!r}")
-            if use_distributed_sampler and not isinstance(loader.sampler, DistributedSampler):
-                loader = self._with_distributed_sampler(loader)
+            kwargs = self._strategy.distributed_sampler_kwargs
+            sampler = (distributed_sampler(loader, kwargs["num_replicas"], kwargs["rank"])
+                       if use_distributed_sampler else None)
+            loader = with_sampler(loader, sampler, self.global_rank)
             device = self.device if move_to_device and self.device.type != "cpu" else None
             out.append(DeviceDataLoader(loader, device))
         return out[0] if len(out) == 1 else tuple(out)
-
-    def _with_distributed_sampler(self, loader: DataLoader) -> DataLoader:
-        if isinstance(loader.dataset, torch.utils.data.IterableDataset):
-            return loader
-        batch_sampler = loader.batch_sampler
-        if batch_sampler is not None and type(batch_sampler) is not torch.utils.data.BatchSampler:
-            raise TypeError(
-                f"The DataLoader has a custom batch_sampler ({type(batch_sampler).__name__}); "
-                f"give it a DistributedSampler yourself and pass use_distributed_sampler=False."
-            )
-        sampler = DistributedSampler(
-            loader.dataset,
-            shuffle=isinstance(loader.sampler, RandomSampler),
-            seed=int(os.environ.get(_SEED_VAR, "0")),
-            **self._strategy.distributed_sampler_kwargs,
-        )
-        worker_init_fn = loader.worker_init_fn
-        if worker_init_fn is None and os.environ.get("FULLSHARD_SEED_WORKERS") == "1":
-            worker_init_fn = _seed_worker
-        kwargs: dict[str, Any] = dict(
-            batch_size=loader.batch_size,
-            sampler=sampler,
-            num_workers=loader.num_workers,
-            collate_fn=loader.collate_fn,
-            pin_memory=loader.pin_memory,
-            drop_last=loader.drop_last,
-            timeout=loader.timeout,
-            worker_init_fn=worker_init_fn,
-            generator=loader.generator,
-            persistent_workers=loader.persistent_workers,
-        )
-        if loader.num_workers > 0:
-            kwargs["prefetch_factor"] = loader.prefetch_factor
-            kwargs["multiprocessing_context"] = loader.multiprocessing_context
-        return DataLoader(loader.dataset, **kwargs)
 
     def init_module(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
         """Context to build the model in; `empty_init=True` builds it on the meta device
         (materialized and sharded unit by unit at setup)."""
         self._validate_launched()
         return self._strategy.module_init_context(empty_init)
+
+    def init_tensor(self) -> contextlib.AbstractContextManager:
+        """Context in which new tensors are created on `fabric.device` with the precision's
+        default dtype (the low dtype for '*-true')."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.device(self.device))
+        stack.enter_context(self._strategy.precision_plugin.tensor_init_context())
+        return stack
+
+    def sharded_model(self) -> contextlib.AbstractContextManager:
+        """Deprecated (as in Lightning): use `init_module()`."""
+        warnings.warn("Fabric.sharded_model() is deprecated; use Fabric.init_module().",
+                      DeprecationWarning, stacklevel=2)
+        self._validate_launched()
+        return self._strategy.module_sharded_context()
+
+    def mark_forward_method(self, module: nn.Module, method: str | Callable[..., Any]) -> None:
+        """Make `module.<method>(...)` run as a forward (see `api.forward_methods`); the same
+        as `module.mark_forward_method(method)` on a model returned by `setup`."""
+        if not isinstance(module, FullyShardedModule):
+            raise TypeError(f"mark_forward_method needs a model set up by fabric.setup(); got "
+                            f"an unwrapped {type(module).__name__}.")
+        forward_methods.mark_forward_method(module, method)
 
     # -- training-loop calls ----------------------------------------------------------------
     def backward(self, tensor: torch.Tensor, *args: Any, model: nn.Module | None = None,
@@ -407,11 +397,28 @@ class Fabric:
         `weights_only=False` unpickles objects other than tensors and plain values, which can
         run code from the file: only for files you trust (None, the default, means True)."""
         remainder = self._strategy.load_checkpoint(path, state, strict=strict,
-                                                   weights_only=weights_only)
+                                                   weights_only=_weights_only(weights_only))
         self.barrier()
         return remainder
 
-    # -- collectives and printing -----------------------------------------------------------
+    def load_raw(self, path: str | os.PathLike, obj: nn.Module | Optimizer, strict: bool = True,
+                 *, weights_only: bool | None = None) -> None:
+        """Load a plain state-dict file (`torch.save(model.state_dict(), path)`, or a full
+        checkpoint with one model) into the module `obj` -- set up or not -- on every rank."""
+        if isinstance(obj, Optimizer):
+            raise TypeError(
+                "load_raw(path, optimizer) is not supported: the optimizer state of a sharded "
+                "model is keyed by parameter name and restored with its model; save and load "
+                "them together with fabric.save(path, {'model': ..., 'optimizer': ...}) and "
+                "fabric.load(path, state)."
+            )
+        if not isinstance(obj, nn.Module):
+            raise TypeError(f"load_raw(path, obj) takes an nn.Module, got {type(obj).__name__}")
+        self._strategy.load_checkpoint(path, obj, strict=strict,
+                                       weights_only=_weights_only(weights_only))
+        self.barrier()
+
+    # -- collectives, printing, callbacks, logging ------------------------------------------
     def print(self, *args: Any, **kwargs: Any) -> None:
         """`print` on local rank 0 only (one line per machine, as Lightning)."""
         if self.local_rank == 0:
@@ -423,90 +430,80 @@ class Fabric:
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return self._strategy.broadcast(obj, src)
 
+    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        """Every rank's tensor(s), stacked along a new first dim (see `api.collectives`)."""
+        self._validate_launched()
+        return collectives.all_gather(data, group, sync_grads, self.device)
+
     def all_reduce(self, data: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        """Reduce a tensor, or every tensor in a (nested) dict/list/tuple, over the ranks."""
-        if isinstance(data, torch.Tensor):
-            return self._strategy.all_reduce(data, group, reduce_op)
-        if isinstance(data, dict):
-            return type(data)((k, self.all_reduce(v, group, reduce_op)) for k, v in data.items())
-        if isinstance(data, list | tuple):
-            return type(data)(self.all_reduce(v, group, reduce_op) for v in data)
-        if isinstance(data, int | float) and dist.is_initialized():
-            t = torch.tensor(data, dtype=torch.float64, device=self.device)
-            return self._strategy.all_reduce(t, group, reduce_op)
-        return data
+        """Reduce a tensor, or every tensor in a (nested) collection, over the ranks."""
+        self._validate_launched()
+        return collectives.all_reduce(data, group, reduce_op, self.device,
+                                      self._strategy.all_reduce)
+
+    @contextlib.contextmanager
+    def rank_zero_first(self, local: bool = False) -> Generator[None, None, None]:
+        """Run the block on rank 0 first (local rank 0 of each machine with `local`), then on
+        the others, e.g. to download or preprocess data once. Every rank must enter it."""
+        rank = self.local_rank if local else self.global_rank
+        if rank > 0:
+            self.barrier()
+        yield
+        if rank == 0:
+            self.barrier()
 
     def to_device(self, obj: Any) -> Any:
-        return _move(obj, self.device)
+        """A module (not set up yet) moved to `fabric.device`, or a batch with every tensor
+        and every object with `.to()` moved (`api.batches`); a set-up model is already there."""
+        if isinstance(obj, nn.Module):
+            if not isinstance(obj, FullyShardedModule):
+                obj.to(self.device)
+            return obj
+        return move_to_device(obj, self.device)
+
+    def call(self, hook_name: str, *args: Any, **kwargs: Any) -> None:
+        """Call `hook_name(*args, **kwargs)` on every callback that has it; keyword arguments
+        its signature does not take are left out (unless it takes `**kwargs`)."""
+        for callback in self._callbacks:
+            method = getattr(callback, hook_name, None)
+            if method is None:
+                continue
+            if not callable(method):
+                warnings.warn(f"Skipping {type(callback).__name__}.{hook_name}: not callable.",
+                              stacklevel=2)
+                continue
+            method(*args, **_accepted_kwargs(method, kwargs))
+
+    def log(self, name: str, value: Any, step: int | None = None) -> None:
+        """Log one number (a one-element tensor is converted) to every logger."""
+        self.log_dict({name: value}, step=step)
+
+    def log_dict(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Log several numbers to every logger (`logger.log_metrics(metrics=..., step=...)`)."""
+        scalars = to_scalars(metrics)
+        for logger in self._loggers:
+            logger.log_metrics(metrics=scalars, step=step)
 
     @staticmethod
-    def seed_everything(seed: int | None = None, workers: bool = False) -> int:
-        return seed_everything(seed, workers)
+    def seed_everything(seed: int | None = None, workers: bool | None = None,
+                        verbose: bool = True) -> int:
+        """`seed_everything`, with `workers=True` by default (as Lightning's Fabric)."""
+        return _seed_everything(seed, True if workers is None else workers, verbose)
 
 
-def _resolve_strategy(strategy: str | FSDPStrategy) -> FSDPStrategy:
-    if isinstance(strategy, FSDPStrategy):
-        return strategy
-    if isinstance(strategy, str) and strategy.lower() in _STRATEGIES:
-        key = strategy.lower()
-        if key == "ddp":
-            return FSDPStrategy(sharding_strategy="NO_SHARD")
-        if key == "fsdp_cpu_offload":
-            return FSDPStrategy(cpu_offload=True)
-        return FSDPStrategy()
-    raise ValueError(
-        f"Fabric(strategy={strategy!r}) is not supported. Use one of {', '.join(_STRATEGIES)}"
-        f" or an FSDPStrategy(...) instance."
-    )
+def _weights_only(weights_only: bool | None) -> bool | None:
+    """`weights_only`, checked: True (tensors and plain containers only), False, or None (the
+    checkpoint reader's default)."""
+    if weights_only is not None and not isinstance(weights_only, bool):
+        raise TypeError(f"weights_only must be True, False or None, got {weights_only!r}")
+    return weights_only
 
 
-def _resolve_accelerator(accelerator: str, from_strategy: str | None) -> str:
-    if not isinstance(accelerator, str) or accelerator not in ("auto", "cpu", "cuda", "gpu"):
-        raise ValueError(
-            f"Fabric(accelerator={accelerator!r}) is not supported. Use 'auto', 'cpu', 'cuda' "
-            f"or 'gpu'."
-        )
-    if accelerator == "auto":
-        if from_strategy is not None:
-            return from_strategy
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if accelerator in ("cuda", "gpu"):
-        if not torch.cuda.is_available():
-            raise ValueError(
-                f"Fabric(accelerator={accelerator!r}) but CUDA is not available here. Use "
-                f"accelerator='cpu' (or 'auto')."
-            )
-        return "cuda"
-    return "cpu"
-
-
-def _resolve_devices(devices: int | str | Sequence[int], device_type: str) -> list[torch.device]:
-    if devices == "auto":
-        n = launched_world_size()
-        if n is None:
-            n = torch.cuda.device_count() if device_type == "cuda" else 1
-        devices = n
-    if isinstance(devices, str):
-        text = devices.strip()
-        if text.lstrip("-").isdigit():
-            devices = int(text)
-        else:
-            devices = [int(x) for x in text.split(",") if x.strip()]
-    if isinstance(devices, int) and not isinstance(devices, bool):
-        if devices == -1 and device_type == "cuda":
-            devices = torch.cuda.device_count()
-        if devices < 1:
-            raise ValueError(f"Fabric(devices={devices!r}) must be >= 1 (or 'auto').")
-        if device_type == "cuda":
-            return [torch.device("cuda", i) for i in range(devices)]
-        return [torch.device("cpu")] * devices
-    if isinstance(devices, Sequence) and devices and all(isinstance(i, int) for i in devices):
-        if device_type != "cuda":
-            raise ValueError(
-                f"Fabric(devices={list(devices)}) lists device indices, which only applies to "
-                f"CUDA; on CPU pass the number of processes."
-            )
-        return [torch.device("cuda", i) for i in devices]
-    raise ValueError(
-        f"Fabric(devices={devices!r}) must be an int, 'auto', or a list of CUDA device indices."
-    )
+def _accepted_kwargs(method: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    try:
+        params = inspect.signature(method).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: pass everything
+        return kwargs
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}

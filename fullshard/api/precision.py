@@ -30,12 +30,28 @@ step skipped on one rank and taken on another would silently desynchronize the r
 the optimizer state, so `ShardedGradScaler` all-reduces (max) the found-inf flag over all
 ranks in every unscale -- exactly one collective per optimizer and step, on every rank, even
 a rank that holds no gradient -- through `fullshard.distributed.comm`, which counts it.
+
+[Note: Lightning's utilities and `strategy.precision`]
+`FSDPStrategy.precision` is a `Precision` object, as Lightning's `strategy.precision` is a
+precision plugin; it compares equal to its string (`strategy.precision == "bf16-mixed"`), and
+strings are still what users pass in. Lightning's own helpers that take a Fabric
+(`ThroughputMonitor`) check `isinstance(plugin, lightning.fabric.plugins.Precision)` and then
+read `plugin.mixed_precision_config.reduce_dtype` for FSDP plugins. No duck typing gets past an
+`isinstance` on a plain class, and lightning must stay optional, so `as_lightning_plugin` makes
+the object an instance of Lightning's `FSDPPrecision` *only when Lightning is already imported
+in this process* (it looks in `sys.modules`, never imports it): the object's class becomes a
+subclass of both our class (first in the MRO, so every method is ours) and Lightning's
+`FSDPPrecision` (for the `isinstance` checks). It is the same object, scaler and state
+included. The compute dtype Lightning then derives is the one its own `FSDPStrategy` would
+report for the same precision string (`mixed_precision_config.reduce_dtype`, fp32 for
+'32-true'). Without Lightning nothing of it is touched.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,8 +59,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
-from torch.utils._pytree import tree_map
 
+from fullshard.api.batches import cast_floating
 from fullshard.config import MixedPrecision, mixed_precision_for, resolve_precision
 from fullshard.distributed import comm
 
@@ -60,15 +76,6 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(previous)
-
-
-def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
-    def cast(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
-            return x.to(dtype)
-        return x
-
-    return tree_map(cast, data)
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
@@ -157,6 +164,36 @@ class Precision:
     def __repr__(self) -> str:
         return f"Precision({self.precision!r}, device={str(self.device)!r})"
 
+    def __eq__(self, other: object) -> bool:
+        """Equal to another `Precision` or a precision string/alias naming the same mode."""
+        if isinstance(other, Precision):
+            return self.precision == other.precision
+        if isinstance(other, str | int) and not isinstance(other, bool):
+            try:
+                return self.precision == resolve_precision(other)
+            except ValueError:
+                return False
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.precision)
+
+    @property
+    def mixed_precision_config(self) -> MixedPrecision:
+        """The dtypes this precision string gathers, reduces and keeps buffers in (fp32 for
+        '32-true'); what Lightning's `FSDPPrecision.mixed_precision_config` reports."""
+        if self.mixed_precision is not None:
+            return self.mixed_precision
+        f32 = torch.float32
+        return MixedPrecision(param_dtype=f32, reduce_dtype=f32, buffer_dtype=f32)
+
+    def tensor_init_context(self) -> contextlib.AbstractContextManager:
+        """Default dtype for tensors created by the user (`fabric.init_tensor()`): the low
+        dtype for '*-true', unchanged otherwise."""
+        if self.is_true and self.dtype != torch.float32:
+            return default_dtype(self.dtype)
+        return contextlib.nullcontext()
+
     # -- the model ----------------------------------------------------------------------------
     def module_init_context(self) -> contextlib.AbstractContextManager:
         """Default dtype for building the model: the low dtype for '*-true', fp32 otherwise
@@ -174,10 +211,10 @@ class Precision:
         return self.dtype if self.is_true else torch.float32
 
     def convert_input(self, data: Any) -> Any:
-        return _cast_floating(data, self.input_dtype)
+        return cast_floating(data, self.input_dtype)
 
     def convert_output(self, data: Any) -> Any:
-        return _cast_floating(data, torch.get_default_dtype())
+        return cast_floating(data, torch.get_default_dtype())
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         """autocast in the low dtype for '*-mixed', the low default dtype for '*-true'."""
@@ -216,6 +253,26 @@ class Precision:
             tensor = self.scaler.scale(tensor)
             self._scaled_backwards += 1
         tensor.backward(*args, **kwargs)
+
+    def pre_backward(self, tensor: torch.Tensor, module: nn.Module | None = None) -> Any:
+        """Lightning's plugin protocol: nothing to do before backward."""
+        return tensor
+
+    def post_backward(self, tensor: torch.Tensor, module: nn.Module | None = None) -> Any:
+        """Lightning's plugin protocol: nothing to do after backward."""
+        return tensor
+
+    def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        """`optimizer.step()` (through the scaler when `setup_optimizer` routed it there)."""
+        return optimizer.step(**kwargs)
+
+    def main_params(self, optimizer: Optimizer) -> Iterator[torch.Tensor]:
+        """The parameters the optimizer updates (the fp32 shards in every mode but '*-true')."""
+        for group in optimizer.param_groups:
+            yield from group["params"]
+
+    def teardown(self) -> None:
+        """Lightning's plugin protocol: nothing held to release."""
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """With a scaler, route `optimizer.step()` through it (once per optimizer)."""
@@ -282,3 +339,60 @@ class Precision:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler is not None:
             self.scaler.load_state_dict(state)
+
+
+# -- Lightning's view of the same object (see [Note: Lightning's utilities ...]) ----------------
+_LIGHTNING_PLUGIN_MODULES = ("lightning.fabric.plugins", "lightning_fabric.plugins")
+_COMPAT_CLASSES: dict[tuple[type, ...], type] = {}
+
+
+def _lightning_fsdp_precision_classes() -> tuple[type, ...]:
+    """Lightning's `FSDPPrecision` class(es) already imported in this process (the unified
+    `lightning` package and the standalone `lightning_fabric` hold distinct classes)."""
+    found = []
+    for name in _LIGHTNING_PLUGIN_MODULES:
+        module = sys.modules.get(name)
+        cls = getattr(module, "FSDPPrecision", None) if module is not None else None
+        if isinstance(cls, type):
+            found.append(cls)
+    return tuple(found)
+
+
+def as_lightning_plugin(plugin: Precision) -> Precision:
+    """`plugin` itself, made an instance of Lightning's `FSDPPrecision` too when Lightning is
+    imported (its class becomes a subclass of both; our methods come first). Idempotent; a
+    no-op without Lightning."""
+    bases = tuple(c for c in _lightning_fsdp_precision_classes() if not isinstance(plugin, c))
+    if not bases:
+        return plugin
+    own = type(plugin)
+    key = (own, *bases)
+    cls = _COMPAT_CLASSES.get(key)
+    if cls is None:
+        # `__init__` stays ours: Lightning's would rebuild state this object already has.
+        cls = type(own.__name__, (own, *bases), {"__module__": own.__module__})
+        _COMPAT_CLASSES[key] = cls
+    plugin.__class__ = cls
+    return plugin
+
+
+def precision_from_plugin(plugin: object) -> Precision | None:
+    """The precision a `Fabric(plugins=...)` entry stands for: ours as is, a Lightning precision
+    plugin with the same meaning here (its `precision` string), None for a non-precision
+    plugin. A Lightning plugin we cannot honour is a `TypeError`."""
+    if isinstance(plugin, Precision):
+        return plugin
+    names = {c.__name__ for c in type(plugin).__mro__}
+    if "Precision" not in names:
+        return None
+    supported = ("FSDPPrecision", "MixedPrecision", "HalfPrecision")
+    kind = type(plugin).__name__
+    if kind in supported or kind == "Precision":
+        # A '16-mixed' plugin's own GradScaler is replaced by ours (same role, global check).
+        return Precision(getattr(plugin, "precision", "32-true"))
+    raise TypeError(
+        f"Fabric(plugins={kind}(...)) is a Lightning precision plugin fullshard cannot honour "
+        f"(supported: {', '.join(supported)} and Precision, i.e. the precision strings "
+        f"'32-true', '16-mixed', 'bf16-mixed', '16-true', 'bf16-true'). Pass precision=... "
+        f"instead."
+    )

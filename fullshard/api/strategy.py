@@ -43,7 +43,7 @@ from fullshard.api.optimizer_setup import (
     check_rebindable,
     repoint,
 )
-from fullshard.api.precision import Precision
+from fullshard.api.precision import Precision, as_lightning_plugin
 from fullshard.api.strategy_args import (
     as_timeout,
     check_engine_kwargs,
@@ -174,25 +174,32 @@ class FSDPStrategy:
         return self._state_dict_type
 
     @property
-    def precision(self) -> str:
-        return self._precision or "32-true"
+    def precision(self) -> Precision:
+        """The precision plugin (as Lightning's `strategy.precision`); it compares equal to
+        its string, and is Lightning's `FSDPPrecision` too when Lightning is imported (see
+        `api.precision`). Set it with a string/alias or a `Precision`."""
+        return as_lightning_plugin(self.precision_plugin)
 
     @precision.setter
-    def precision(self, value: str | int | None) -> None:
+    def precision(self, value: str | int | Precision | None) -> None:
+        if isinstance(value, Precision):
+            self._precision, self._precision_plugin = value.precision, value
+            return
         self._precision = resolve_precision(value) if value is not None else None
 
     @property
     def precision_plugin(self) -> Precision:
         """The precision string's contexts, conversions and ('16-mixed') gradient scaler."""
         plugin = self._precision_plugin
-        if plugin is None or plugin.precision != self.precision:
-            plugin = self._precision_plugin = Precision(self.precision, self.root_device)
+        name = self._precision or "32-true"
+        if plugin is None or plugin.precision != name:
+            plugin = self._precision_plugin = Precision(name, self.root_device)
         return plugin
 
     @property
     def mixed_precision_config(self) -> MixedPrecision | None:
         """The user's `mixed_precision`, else what the precision string stands for."""
-        return self.mixed_precision or mixed_precision_for(self.precision)
+        return self.mixed_precision or mixed_precision_for(self._precision or "32-true")
 
     @property
     def timeout(self) -> timedelta | None:
@@ -564,7 +571,8 @@ class FSDPStrategy:
     def __repr__(self) -> str:
         return (
             f"FSDPStrategy(sharding_strategy={self._plan.name!r}, "
-            f"state_dict_type={self._state_dict_type!r}, precision={self.precision!r})"
+            f"state_dict_type={self._state_dict_type!r}, "
+            f"precision={self._precision or '32-true'!r})"
         )
 
 

@@ -1,0 +1,252 @@
+"""Fabric's API on 2 real gloo ranks (one group for the module): custom samplers sharded as
+Lightning shards them, batches of any container moved, all_gather (with gradients),
+rank_zero_first, setup twice, model.module / mark_forward_method on a sharded model, load_raw,
+init_tensor, and Lightning's ThroughputMonitor / measure_flops on a fullshard Fabric."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import os
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
+
+import fullshard
+from fullshard import Fabric, FSDPStrategy
+from fullshard.testing import DistributedGroup
+from fullshard.testing.models import Block, TinyGPT
+
+
+@pytest.fixture(scope="module")
+def group2():
+    with DistributedGroup(2, grace=5.0) as g:
+        yield g
+
+
+def _fabric(**kwargs) -> Fabric:
+    fabric = Fabric(accelerator="cpu", devices=2,
+                    strategy=FSDPStrategy(auto_wrap_policy={Block}), **kwargs)
+    fabric.launch()
+    return fabric
+
+
+def _weighted() -> WeightedRandomSampler:
+    return WeightedRandomSampler(torch.arange(1, 12, dtype=torch.double), num_samples=11,
+                                 generator=torch.Generator().manual_seed(3))
+
+
+@dataclasses.dataclass
+class Rows:
+    x: torch.Tensor
+
+
+def _collate(items: list) -> Rows:
+    return Rows(x=torch.stack([i[0] for i in items]))
+
+
+# -- data ---------------------------------------------------------------------------------------
+def _loader_batches() -> dict:
+    fabric = _fabric()
+    data = TensorDataset(torch.arange(11.0))
+    loader = fabric.setup_dataloaders(DataLoader(data, batch_size=2, sampler=_weighted(),
+                                                 collate_fn=_collate))
+    epochs = [[b.x.tolist() for b in loader] for _ in range(2)]
+    types = {type(b).__name__ for b in loader}
+    return {"epochs": epochs, "types": types,
+            "sampler": type(loader.sampler).__name__, "inner": type(loader.sampler.sampler)}
+
+
+def test_custom_sampler_is_kept_and_sharded_like_lightning(group2: DistributedGroup) -> None:
+    results = group2.run(_loader_batches)
+    for r in results:
+        assert r["sampler"] == "DistributedSamplerWrapper"
+        assert r["inner"] is WeightedRandomSampler and r["types"] == {"Rows"}
+    # Expected: each epoch one draw of the sampler, padded to 12, rank r takes r::2.
+    sampler = _weighted()
+    for epoch in range(2):
+        whole = [float(i) for i in sampler]
+        padded = whole + whole[:1]
+        for rank, r in enumerate(results):
+            flat = [v for batch in r["epochs"][epoch] for v in batch]
+            assert flat == padded[rank::2]
+    try:
+        from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+    except ImportError:
+        return
+    # As Lightning's Fabric builds it for a sampler that is not a RandomSampler.
+    theirs = [DistributedSamplerWrapper(_weighted(), num_replicas=2, rank=r, shuffle=False)
+              for r in (0, 1)]
+    for epoch in range(2):
+        for rank, r in enumerate(results):
+            theirs[rank].set_epoch(epoch)
+            flat = [v for batch in r["epochs"][epoch] for v in batch]
+            assert flat == [float(i) for i in theirs[rank]]
+
+
+# -- collectives ------------------------------------------------------------------------------
+def _gather() -> dict:
+    fabric = _fabric()
+    rank = fabric.global_rank
+    x = torch.tensor([rank + 1.0], requires_grad=True)
+    g = fabric.all_gather(x, sync_grads=True)
+    weights = torch.tensor([1.0, 2.0]) * (rank + 1)
+    (g.squeeze(1) * weights).sum().backward()
+    nested = fabric.all_gather({"a": torch.full((2,), float(rank)), "n": [rank]})
+    return {"g": g.detach().tolist(), "grad": x.grad.tolist(), "a": nested["a"].tolist(),
+            "n": nested["n"][0].tolist()}
+
+
+def test_all_gather_stacks_and_carries_gradients(group2: DistributedGroup) -> None:
+    for rank, r in enumerate(group2.run(_gather)):
+        assert r["g"] == [[1.0], [2.0]]
+        # d/dx_r of sum_q sum_s (q+1) * s' * x_s, with s' = 1, 2: (1 + 2) * (r + 1).
+        assert r["grad"] == [3.0 * (rank + 1)]
+        assert r["a"] == [[0.0, 0.0], [1.0, 1.0]] and r["n"] == [0, 1]
+
+
+def _rank_zero_first(tmp: str) -> list:
+    fabric = _fabric()
+    seen = []
+    for local in (False, True):
+        marker = Path(tmp) / f"marker-{local}"
+        with fabric.rank_zero_first(local=local):
+            if fabric.global_rank == 0:
+                time.sleep(0.5)  # rank 1 would see no marker if it did not wait
+                marker.write_text("done")
+            seen.append(marker.exists())
+    return seen
+
+
+def test_rank_zero_first_runs_rank_zero_before_the_others(group2: DistributedGroup,
+                                                          tmp_path: Path) -> None:
+    assert group2.run(_rank_zero_first, str(tmp_path)) == [[True, True], [True, True]]
+
+
+# -- models -----------------------------------------------------------------------------------
+class GPTWithEmbed(TinyGPT):
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Uses the root's own (tied) embedding directly, outside forward."""
+        return self.tok(idx) * 2
+
+
+def _models(tmp: str) -> dict:
+    fabric = _fabric()
+    out: dict = {}
+    torch.manual_seed(0)
+    model = GPTWithEmbed(layers=2)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = fabric.setup(model, opt)
+    view = model.module  # the user's class, sharing the model's state
+    out["module_is_model"] = (type(view) is GPTWithEmbed and view.tok is model.tok
+                              and not hasattr(view, "module"))
+    try:
+        fabric.setup(model)
+    except ValueError as e:
+        out["twice"] = str(e)
+    try:
+        fabric.setup_module(model)
+    except ValueError as e:
+        out["twice_module"] = str(e)
+    idx = torch.tensor([[1, 5, 36]])
+    try:
+        model.embed(idx)  # the root's shard: 19 of 37 rows
+        out["unmarked"] = "ran"
+    except (IndexError, RuntimeError) as e:
+        out["unmarked"] = type(e).__name__
+    model.mark_forward_method("embed")
+    out["marked"] = torch.equal(model.embed(idx), reference.embed(idx))
+    fabric.mark_forward_method(model, model.embed)  # again, by bound method: a no-op
+    out["marked_again"] = torch.equal(model.embed(idx), reference.embed(idx))
+    out["forward"] = torch.equal(model(idx), reference(idx))
+    out["module_forward"] = torch.equal(model.module(idx), reference(idx))
+
+    # load_raw: a plain state dict written without Fabric, into a set-up model.
+    path = Path(tmp) / "raw.pt"
+    torch.manual_seed(1)
+    other = GPTWithEmbed(layers=2)
+    if fabric.global_rank == 0:
+        torch.save(other.state_dict(), path)
+    fabric.barrier()
+    fabric.load_raw(path, model)
+    full = fullshard.full_state_dict(model)
+    out["load_raw"] = all(torch.equal(full[k].cpu(), v) for k, v in other.state_dict().items())
+    try:
+        fabric.load_raw(path, opt)
+    except TypeError as e:
+        out["load_raw_opt"] = str(e)
+    # weights_only: a file that also pickles an object is refused with True, read with False.
+    with_args = Path(tmp) / "with_args.pt"
+    if fabric.global_rank == 0:
+        torch.save({"model": reference.state_dict(), "args": argparse.Namespace(lr=0.1)},
+                   with_args)
+    fabric.barrier()
+    try:
+        fabric.load_raw(with_args, model, weights_only=True)
+    except ValueError as e:
+        out["weights_only"] = str(e)
+    fabric.load_raw(with_args, model, weights_only=False)
+    full = fullshard.full_state_dict(model)
+    out["weights_only_false"] = all(torch.equal(full[k].cpu(), v)
+                                    for k, v in reference.state_dict().items())
+
+    with fabric.init_tensor():
+        t = torch.empty(2)
+    out["init_tensor"] = (t.dtype, t.device.type)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with fabric.sharded_model():
+            pass
+    out["deprecated"] = [str(w.message) for w in caught if w.category is DeprecationWarning]
+    return out
+
+
+def test_sharded_model_api(group2: DistributedGroup, tmp_path: Path) -> None:
+    for r in group2.run(_models, str(tmp_path)):
+        assert r["module_is_model"]
+        assert "already set up by Fabric" in r["twice"] and "only once" in r["twice_module"]
+        assert r["unmarked"] != "ran"  # the root's embedding is sharded outside forward
+        assert r["marked"] and r["marked_again"] and r["forward"] and r["module_forward"]
+        assert r["load_raw"] and "fabric.save" in r["load_raw_opt"]
+        assert "weights_only=True refused" in r["weights_only"] and r["weights_only_false"]
+        assert r["init_tensor"] == (torch.float32, "cpu")
+        assert any("init_module" in m for m in r["deprecated"])
+
+
+# -- Lightning's utilities that take a Fabric -----------------------------------------------------
+def _throughput(tmp: str) -> dict:
+    from lightning.fabric.utilities.throughput import ThroughputMonitor, measure_flops
+
+    fabric = _fabric(precision="bf16-mixed", loggers=fullshard.CSVLogger(tmp, name="tp"))
+    torch.manual_seed(0)
+    model = TinyGPT(layers=2)
+    reference = copy.deepcopy(model)
+    model = fabric.setup(model)
+    idx = torch.randint(0, 37, (2, 8), generator=torch.Generator().manual_seed(0))
+    flops = measure_flops(model, lambda: model(idx), lambda y: y.sum())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_flops = measure_flops(reference, lambda: reference(idx), lambda y: y.float().sum())
+    monitor = ThroughputMonitor(fabric, window_size=2)
+    for i in range(1, 4):
+        monitor.update(time=0.1 * i, batches=i, samples=2 * i, lengths=16 * i, flops=flops)
+        metrics = monitor.compute_and_log(step=i)
+    return {"flops": flops, "ref_flops": ref_flops, "metrics": sorted(metrics),
+            "world": monitor.world_size}
+
+
+def test_lightning_throughput_monitor_and_measure_flops(group2: DistributedGroup,
+                                                        tmp_path: Path) -> None:
+    pytest.importorskip("lightning.fabric.utilities.throughput")
+    r0, r1 = group2.run(_throughput, str(tmp_path))
+    assert r0["flops"] == r0["ref_flops"] > 0 and r1["flops"] == r0["flops"]
+    assert r0["world"] == 2 and "samples_per_sec" in r0["metrics"]
+    assert r1["metrics"] == []  # the monitor computes on rank 0 only, as in Lightning
+    rows = fullshard.api.loggers.read_metrics(tmp_path / "tp" / "version_0" / "metrics.csv")
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    assert os.path.exists(tmp_path / "tp" / "version_0" / "metrics.csv")
