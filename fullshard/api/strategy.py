@@ -15,8 +15,15 @@ Meanings where Lightning's FSDP and ours differ on purpose:
 - precision strings: see `api.precision` (forward context as hooks on the model, the scaler's
   global inf check).
 - a tuple `device_mesh` is checked against the world size by us, on CPU and CUDA alike.
-- unknown `**kwargs` are a `TypeError` (torch FSDP1 options that have an equivalent here say
-  which), never dropped.
+- torch FSDP's own keywords (`sync_module_states`, `limit_all_gathers`, `use_orig_params`,
+  `ignored_modules`, ...) are honoured with their meaning or warned about once where they can
+  have no effect (see [Note: torch FSDP's keywords] in `strategy_args`); any other keyword is
+  a `TypeError`, never dropped.
+- `module_sharded_context()` (entered by `module_init_context`) is torch's `enable_wrap`:
+  modules passed to torch's `wrap()` inside it become units when the model is set up.
+- ignored parameters (`ignored_modules` / `ignored_states`) count in `clip_gradients_norm`
+  with their local gradients, added after the reduction of the shards' norms, as torch FSDP
+  does.
 """
 
 from __future__ import annotations
@@ -46,9 +53,12 @@ from fullshard.api.optimizer_setup import (
 from fullshard.api.precision import Precision
 from fullshard.api.strategy_args import (
     as_timeout,
+    check_device_id,
     check_engine_kwargs,
+    check_process_group,
     merge_checkpointing_arguments,
     reduce_op_of,
+    warn_once,
 )
 from fullshard.config import (
     CPUOffload,
@@ -61,7 +71,7 @@ from fullshard.distributed import comm
 from fullshard.distributed.environment import ClusterEnvironment, detect_environment
 from fullshard.distributed.mesh import check_mesh_shape, is_device_mesh
 from fullshard.engine.module import FullyShardedModule
-from fullshard.engine.wrap import normalize_policy
+from fullshard.engine.wrap import mark_unit, normalize_policy
 
 
 class FSDPStrategy:
@@ -88,7 +98,11 @@ class FSDPStrategy:
         device_mesh: HYBRID_SHARD only: `(replicate, shard)` with product == world size, or a
             2-D `DeviceMesh`. Default for HYBRID_SHARD: (nodes, ranks per node).
         **kwargs: engine options of `fullshard.fsdp`: bucketing_strategy, prefetch_limit,
-            max_pending_reductions, broadcast_from, move_state_dict_to_cpu.
+            max_pending_reductions, broadcast_from, move_state_dict_to_cpu; and every other
+            keyword of torch's `FullyShardedDataParallel` (sync_module_states,
+            forward_prefetch, backward_prefetch, limit_all_gathers, use_orig_params,
+            ignored_modules, ignored_states, device_id, process_group, param_init_fn), with
+            the meanings listed in the README.
     """
 
     def __init__(
@@ -110,7 +124,7 @@ class FSDPStrategy:
         device_mesh: tuple[int, int] | object | None = None,
         **kwargs: Any,
     ) -> None:
-        self._engine_kwargs = check_engine_kwargs(kwargs)
+        self._engine_kwargs, self._torch_options = check_engine_kwargs(kwargs)
 
         self._plan = resolve_sharding_strategy(sharding_strategy)
         if device_mesh is not None:
@@ -356,8 +370,12 @@ class FSDPStrategy:
         """Shard `module` in place with this strategy's options and return it."""
         if isinstance(module, FullyShardedModule):
             return module
+        torch_options = self._torch_options
+        check_device_id(torch_options.device_id, self.root_device)
+        check_process_group(torch_options.process_group)
         self.precision_plugin.convert_module(module)
         options: dict[str, Any] = dict(
+            ignored_states=torch_options.ignored_states,
             device=self.root_device,
             sharding_strategy=self._plan.name,
             auto_wrap_policy=self.auto_wrap_policy,
@@ -421,8 +439,13 @@ class FSDPStrategy:
         return stack
 
     def module_sharded_context(self) -> contextlib.AbstractContextManager:
-        """Nothing to enter: sharding happens at `setup_module` (there is no manual `wrap`)."""
-        return contextlib.nullcontext()
+        """torch's `enable_wrap`: a module passed to `torch.distributed.fsdp.wrap.wrap()`
+        inside it is marked and becomes a unit when the model is set up (whatever
+        `auto_wrap_policy` says); `wrap()` returns the module itself. Sharding happens at
+        `setup_module`."""
+        from torch.distributed.fsdp.wrap import enable_wrap
+
+        return enable_wrap(wrapper_cls=_mark_unit)
 
     def _wrapped(self, module: nn.Module, what: str) -> nn.Module:
         if not isinstance(module, FullyShardedModule):
@@ -467,12 +490,18 @@ class FSDPStrategy:
         module = self._wrapped(module, "clip_gradients_norm")
         if self.precision_plugin.unscale_for_clipping(optimizer, "clip_gradients_norm"):
             error_if_nonfinite = False  # an overflow step: skipped, not an error
-        group = module.fullshard_runtime.mesh.shard  # type: ignore[attr-defined]
+        runtime = module.fullshard_runtime  # type: ignore[attr-defined]
+        group = runtime.mesh.shard
         norm_type = float(norm_type)
-        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        sharded = {id(p.param) for u in runtime.units for p in u.params}
+        grads = [p.grad for p in module.parameters() if p.grad is not None and id(p) in sharded]
+        # Ignored parameters: full, unreduced local gradients (torch FSDP's rule).
+        local = [p.grad for p in module.parameters()
+                 if p.grad is not None and id(p) not in sharded]
         device = grads[0].device if grads else self.root_device
         return clip_grad_norm(
-            grads, max_norm, norm_type, group, device, error_if_nonfinite=error_if_nonfinite
+            grads, max_norm, norm_type, group, device, error_if_nonfinite=error_if_nonfinite,
+            unreduced=local,
         )
 
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer | None,
@@ -562,6 +591,18 @@ class FSDPStrategy:
             f"FSDPStrategy(sharding_strategy={self._plan.name!r}, "
             f"state_dict_type={self._state_dict_type!r}, precision={self.precision!r})"
         )
+
+
+def _mark_unit(module: nn.Module, **overrides: Any) -> nn.Module:
+    """The `wrapper_cls` of `module_sharded_context`'s `enable_wrap`: torch's `wrap(m)` calls
+    it and gets `m` back, marked as a unit."""
+    if overrides:
+        warn_once(
+            "wrap_overrides",
+            f"torch's wrap(module, **overrides) ignores {sorted(overrides)} under fullshard: "
+            f"every unit uses the FSDPStrategy's options; the module still becomes a unit.",
+        )
+    return mark_unit(module)
 
 
 def _destroy_process_group() -> None:
