@@ -62,7 +62,7 @@ def _strategy(**kwargs) -> FSDPStrategy:
 def test_every_torch_fsdp_keyword_is_accepted() -> None:
     torch_params = inspect.signature(FullyShardedDataParallel.__init__).parameters
     ours = set(inspect.signature(FSDPStrategy.__init__).parameters)
-    for name, param in torch_params.items():
+    for name in torch_params:
         if name in ("self", "module"):
             continue
         assert name in ours or name in strategy_args.TORCH_FSDP_OPTIONS, name
