@@ -142,7 +142,9 @@ def _sharded_param(o: ParamOwnership, mesh: ShardMesh) -> ShardedParam:
 
 
 def _bucket_groups(
-    owned: Sequence[ParamOwnership], bucketing: FSDPBucketingStrategy, fp_ids: set[int]
+    owned: Sequence[ParamOwnership],
+    bucketing: FSDPBucketingStrategy,
+    fp_ids: set[int] | frozenset[int] = frozenset(),
 ) -> list[list[ParamOwnership]]:
     groups: dict[tuple, list[ParamOwnership]] = {}
     for i, o in enumerate(owned):
