@@ -369,21 +369,27 @@ class Recast(nn.Module):
         return self.b(self.a(x).float())
 
 
-def _cast_forward_inputs(cast: bool) -> str:
+def _cast_forward_inputs(cast: bool) -> tuple[str, str]:
     mp = TorchMP(param_dtype=BF16, cast_forward_inputs=cast)
     s = _strategy(mixed_precision=mp, auto_wrap_policy={nn.Linear})
     torch.manual_seed(0)
-    model = s.setup_module(Recast())
+    model = Recast()
+    seen = []
+    model.a.register_forward_pre_hook(lambda m, a: seen.append(str(a[0].dtype)))
+    model = s.setup_module(model)
     try:
-        return str(model(torch.randn(3, 4)).dtype)
+        out = str(model(torch.randn(3, 4)).dtype)
     except RuntimeError as e:  # torch FSDP fails the same way: bf16 weight, fp32 input
-        return f"error: {e}"
+        out = f"error: {e}"
+    return seen[0], out
 
 
 def test_cast_forward_inputs_on_inner_units(group2: DistributedGroup) -> None:
-    assert group2.run(_cast_forward_inputs, True) == ["torch.bfloat16"] * 2
-    for r in group2.run(_cast_forward_inputs, False):
-        assert r.startswith("error:") and "dtype" in r, r
+    # the root casts the fp32 batch either way (cast_root_forward_inputs)
+    assert group2.run(_cast_forward_inputs, True) == [("torch.bfloat16", "torch.bfloat16")] * 2
+    for first, out in group2.run(_cast_forward_inputs, False):
+        assert first == "torch.bfloat16"
+        assert out.startswith("error:") and "dtype" in out, out
 
 
 # -- torch's wrap() under module_sharded_context -------------------------------------------------
