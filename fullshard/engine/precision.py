@@ -8,9 +8,10 @@ decisions, with torch FSDP1's meanings:
   it gathers and reduces in the shards' own dtype. Such parameters never share a bucket with
   the others (a bucket has one compute dtype);
 - buffers are cast to `buffer_dtype`, except those of full-precision modules;
-- full-precision modules get a forward pre-hook casting floating inputs to fp32 and a forward
-  hook casting floating outputs back to the dtype the inputs had (torch registers the same
-  pair), so the modules around them keep running in `param_dtype`;
+- full-precision modules get a forward pre-hook casting floating inputs to fp32 (to their
+  parameters' dtype, if the model itself is low precision) and a forward hook casting floating
+  outputs back to the dtype the inputs had (torch registers the same pair), so the modules
+  around them keep running in `param_dtype`;
 - the root casts its floating inputs to `param_dtype` when `cast_root_forward_inputs`, other
   units when `cast_forward_inputs`; a full-precision unit casts nothing (its hooks do);
 - reduced gradients reach `.grad` in the shards' dtype, or in `reduce_dtype` with
@@ -95,16 +96,17 @@ def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
 class _FullPrecisionCasts:
     """The pre/post forward hook pair of one full-precision module."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
         self.input_dtype: torch.dtype | None = None
 
     def pre(self, module: nn.Module, args: Any) -> Any:
         self.input_dtype = None
 
         def cast(x: Any) -> Any:
-            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float32:
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.dtype:
                 self.input_dtype = x.dtype
-                return x.float()
+                return x.to(self.dtype)
             return x
 
         return tree_map(cast, args)
@@ -127,6 +129,9 @@ def install_full_precision_casts(model: nn.Module, mp: MixedPrecision | None) ->
         if id(m) in inside or not isinstance(m, classes):
             continue
         inside.update(id(sub) for sub in m.modules())
-        casts = _FullPrecisionCasts()
+        # fp32 as torch does -- or the shards' own dtype when the whole model was converted
+        # (precision '*-true'), so the module's weights and inputs agree
+        floating = [p.dtype for p in m.parameters() if p.is_floating_point()]
+        casts = _FullPrecisionCasts(floating[0] if floating else torch.float32)
         m.register_forward_pre_hook(casts.pre)
         m.register_forward_hook(casts.post)

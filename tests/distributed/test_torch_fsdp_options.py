@@ -3,7 +3,8 @@
 compared with one process (or with torch FSDP itself where it picks something).
 
 - every keyword of the installed torch's `FullyShardedDataParallel.__init__` is accepted;
-  an unknown one is a TypeError naming it; no-effect ones warn once;
+  an unknown one is a TypeError naming it; no-effect ones warn once; `device_id` and
+  `process_group` must name what fullshard uses;
 - `sync_module_states=True`: ranks that built different models all end with rank 0's;
 - `forward_prefetch` / `backward_prefetch` / `limit_all_gathers`: whether the next unit is
   already being gathered when a unit runs, in forward and in backward;
@@ -69,7 +70,9 @@ def test_every_torch_fsdp_keyword_is_accepted() -> None:
     # torch's own defaults for each keyword that arrives through **kwargs
     defaults = {n: torch_params[n].default for n in strategy_args.TORCH_FSDP_OPTIONS}
     assert defaults["backward_prefetch"] is BackwardPrefetch.BACKWARD_PRE
-    FSDPStrategy(**defaults)
+    strategy_args._WARNED.clear()
+    with pytest.warns(UserWarning, match=r"use_orig_params=False\) has no effect"):
+        FSDPStrategy(**defaults)  # torch's default use_orig_params=False
     # the issue's line, as Fabric users write it
     FSDPStrategy(limit_all_gathers=True, use_orig_params=True, forward_prefetch=True,
                  sync_module_states=True)
@@ -88,6 +91,21 @@ def test_every_torch_fsdp_keyword_is_accepted() -> None:
         FSDPStrategy(ignored_modules=[lin], ignored_states=[lin])
     with pytest.raises(ValueError, match=r"only parameters or only modules"):
         FSDPStrategy(ignored_states=[lin, lin.weight])
+
+
+def test_device_id_and_process_group_are_checked() -> None:
+    cpu = torch.device("cpu")
+    for ok in (None, cpu, "cpu"):
+        strategy_args.check_device_id(ok, cpu)
+    strategy_args.check_device_id(1, torch.device("cuda", 1))
+    with pytest.raises(ValueError, match=r"device_id=device\(type='cuda', index=0\)\) names "
+                                         r"cuda:0, but this rank computes on cpu"):
+        strategy_args.check_device_id(torch.device("cuda", 0), cpu)
+    with pytest.raises(ValueError, match=r"names cuda:0, but this rank computes on cuda:1"):
+        strategy_args.check_device_id(0, torch.device("cuda", 1))
+    strategy_args.check_process_group(None)
+    with pytest.raises(ValueError, match=r"process_group=.*HYBRID_SHARD.*device_mesh"):
+        strategy_args.check_process_group(("intra", "inter"))
 
 
 def test_no_effect_keywords_warn_once() -> None:
