@@ -2,9 +2,9 @@
 
 An ignored parameter is not sharded, gathered or reduced: it stays the user's full tensor on
 every rank, its gradient is whatever this rank's backward accumulated (no averaging over
-ranks, exactly as torch FSDP leaves it), and checkpoints hold it as a plain tensor. An ignored
-module ignores every parameter and buffer in its subtree; it never becomes a unit, and its
-buffers are neither moved, cast nor broadcast.
+ranks, exactly as torch FSDP leaves it), and checkpoints hold it as a plain tensor (rank 0's
+copy). An ignored module ignores every parameter and buffer in its subtree; it never becomes a
+unit, and its buffers are neither moved, cast nor broadcast.
 """
 
 from __future__ import annotations
