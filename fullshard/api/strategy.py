@@ -373,6 +373,16 @@ class FSDPStrategy:
         torch_options = self._torch_options
         check_device_id(torch_options.device_id, self.root_device)
         check_process_group(torch_options.process_group)
+        if torch_options.sync_module_states and any(
+            t.is_meta for t in (*module.parameters(), *module.buffers())
+        ):
+            raise ValueError(
+                "FSDPStrategy(sync_module_states=True) broadcasts rank 0's values, but the model "
+                "is on the meta device (init_module(empty_init=True)). Drop sync_module_states: "
+                "every rank materializes the model unit by unit in the same order, so with the "
+                "same seed (fabric.seed_everything) all ranks hold the same values -- or build "
+                "the model on a real device."
+            )
         self.precision_plugin.convert_module(module)
         options: dict[str, Any] = dict(
             ignored_states=torch_options.ignored_states,

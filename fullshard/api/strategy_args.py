@@ -34,6 +34,7 @@ ENGINE_OPTIONS = (
 # `sharding_strategy`, `cpu_offload`, `auto_wrap_policy`, `mixed_precision` and `device_mesh`
 # are FSDPStrategy's own arguments; the rest arrive through `**kwargs` and mean:
 #   sync_module_states=True   broadcast_from=0: rank 0's parameters and buffers everywhere
+#                             (a meta-device model is a ValueError: nothing to broadcast)
 #   forward_prefetch          prefetch in forward on/off (torch defaults to off; we prefetch
 #                             unless it is passed as False)
 #   backward_prefetch         None: no prefetch in backward; BACKWARD_PRE/POST: prefetch (ours
@@ -84,6 +85,7 @@ class TorchFSDPOptions:
 
     device_id: int | torch.device | None = None
     process_group: Any = None
+    sync_module_states: bool = False
     ignored_states: tuple[Any, ...] | None = None
 
 
@@ -188,6 +190,7 @@ def check_engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], TorchFS
             f"FSDPStrategy(device_id=...) must be an int or torch.device, got {device_id!r}"
         )
     options = TorchFSDPOptions(
+        sync_module_states=kwargs.get("sync_module_states", False),
         device_id=device_id,
         process_group=kwargs.get("process_group"),
         ignored_states=ignored,

@@ -146,7 +146,21 @@ def _sync_module_states(sync: bool) -> bool:
     return all(torch.equal(full[k], rank0[k]) for k in rank0)
 
 
+def _sync_meta() -> str:
+    s = _strategy(sync_module_states=True)
+    with s.module_init_context(empty_init=True):
+        model = TinyGPT(layers=1)
+    try:
+        s.setup_module(model)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
 def test_sync_module_states_broadcasts_rank_0(group2: DistributedGroup) -> None:
+    for r in group2.run(_sync_meta):
+        assert "sync_module_states=True) broadcasts rank 0's values, but the model is on " \
+            "the meta device" in r, r
     assert group2.run(_sync_module_states, True) == [True, True]
     # without it each rank shards its own model: the gathered model is a mixture
     assert group2.run(_sync_module_states, False) == [False, False]
