@@ -6,7 +6,7 @@ hands everything to `engine.sharding.shard_module`. It owns no sharding logic.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,7 @@ def fsdp(
     forward_prefetch: bool = True,
     backward_prefetch: bool = True,
     ignored_states: Iterable[nn.Module | nn.Parameter] | None = None,
+    param_init_fn: Callable[[nn.Module], object] | None = None,
 ) -> nn.Module:
     """Shard `model` in place over the default process group and return it.
 
@@ -79,6 +80,8 @@ def fsdp(
         ignored_states: submodules or parameters left alone, as torch FSDP's
             `ignored_states`: not sharded, not moved, cast or broadcast, and their gradients
             not reduced (see `fullshard.engine.ignored`).
+        param_init_fn: torch FSDP's: called on each module with meta-device tensors, one unit
+            at a time, instead of its `reset_parameters()` (see `fullshard.engine.materialize`).
 
     After the call, `model.named_parameters()` yields this rank's shards under the original
     names: build the optimizer afterwards. Gradients are averaged over all ranks, as DDP does.
@@ -122,6 +125,8 @@ def fsdp(
                         ("backward_prefetch", backward_prefetch)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {value!r}")
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise TypeError(f"param_init_fn must be callable, got {param_init_fn!r}")
     ignored = resolve_ignored(model, ignored_states)
     mp = MixedPrecision.coerce(mixed_precision)
     offload = CPUOffload.coerce(cpu_offload).offload_params
@@ -142,6 +147,7 @@ def fsdp(
         backward_prefetch_limit=prefetch_limit if backward_prefetch else 0,
         max_pending_reductions=max_pending_reductions,
         ignored=ignored,
+        param_init_fn=param_init_fn,
     )
     runtime.move_state_dict_to_cpu = True if move_state_dict_to_cpu is None else bool(
         move_state_dict_to_cpu

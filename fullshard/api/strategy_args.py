@@ -46,8 +46,8 @@ ENGINE_OPTIONS = (
 #   device_id                 must name the rank's device (checked at setup)
 #   process_group             None or the default group (all ranks); other groups: use
 #                             device_mesh
-#   param_init_fn             warned once, not called: meta modules are materialized with
-#                             their own reset_parameters()
+#   param_init_fn             called on each meta-device module, unit by unit, instead of
+#                             its reset_parameters()
 # Anything else is a TypeError naming it.
 TORCH_FSDP_OPTIONS = (
     "process_group",
@@ -159,12 +159,7 @@ def check_engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], TorchFS
                 f"FSDPStrategy(param_init_fn=...) must be callable, got "
                 f"{kwargs['param_init_fn']!r}"
             )
-        warn_once(
-            "param_init_fn",
-            "FSDPStrategy(param_init_fn=...) is not called: fullshard materializes modules "
-            "built on the meta device (fabric.init_module(empty_init=True)) one unit at a time "
-            "with each module's own reset_parameters(). Put your initialization there.",
-        )
+        engine["param_init_fn"] = kwargs["param_init_fn"]
     if kwargs.get("ignored_modules") is not None and kwargs.get("ignored_states") is not None:
         raise ValueError(
             "FSDPStrategy got both ignored_modules and ignored_states; pass one of them "

@@ -23,7 +23,7 @@ on the source rank -- are ever allocated at once):
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -68,6 +68,7 @@ def shard_module(
     max_pending_reductions: int,
     backward_prefetch_limit: int | None = None,
     ignored: Ignored | None = None,
+    param_init_fn: Callable[[nn.Module], object] | None = None,
 ) -> Runtime:
     ignored = ignored or Ignored()
     unit_modules = select_units(model, auto_wrap_policy, ignored)
@@ -81,7 +82,7 @@ def shard_module(
     units: list[Unit] = []
     for module in unit_modules:
         mine = [o for o in owned if o.unit is module]
-        materialize_unit(model, module, set(map(id, unit_modules)), mine, device)
+        materialize_unit(model, module, set(map(id, unit_modules)), mine, device, param_init_fn)
         buckets = []
         for group in _bucket_groups(mine, bucketing, fp_ids):
             params = [_sharded_param(o, mesh) for o in group]

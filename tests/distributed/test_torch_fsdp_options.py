@@ -6,6 +6,7 @@ compared with one process (or with torch FSDP itself where it picks something).
   an unknown one is a TypeError naming it; no-effect ones warn once; `device_id` and
   `process_group` must name what fullshard uses;
 - `sync_module_states=True`: ranks that built different models all end with rank 0's;
+- `param_init_fn`: a meta-device model is materialized by it;
 - `forward_prefetch` / `backward_prefetch` / `limit_all_gathers`: whether the next unit is
   already being gathered when a unit runs, in forward and in backward;
 - `ignored_modules` / `ignored_states`: left full, their gradient this rank's own (no
@@ -110,19 +111,19 @@ def test_device_id_and_process_group_are_checked() -> None:
 
 def test_no_effect_keywords_warn_once() -> None:
     strategy_args._WARNED.clear()
-    for kwargs, text in (({"use_orig_params": False}, "use_orig_params=False"),
-                         ({"param_init_fn": lambda m: None}, "param_init_fn")):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            FSDPStrategy(**kwargs)
-            FSDPStrategy(**kwargs)
-        ours = [w for w in caught if text in str(w.message)]
-        assert len(ours) == 1 and "no effect" in str(ours[0].message) or (
-            "is not called" in str(ours[0].message)), [str(w.message) for w in caught]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        FSDPStrategy(use_orig_params=False)
+        FSDPStrategy(use_orig_params=False)
+    ours = [str(w.message) for w in caught if "use_orig_params=False" in str(w.message)]
+    assert len(ours) == 1 and "no effect" in ours[0], [str(w.message) for w in caught]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # honoured keywords do not warn
         FSDPStrategy(use_orig_params=True, limit_all_gathers=False, sync_module_states=False,
-                     forward_prefetch=False, backward_prefetch=None, device_id=None)
+                     forward_prefetch=False, backward_prefetch=None, device_id=None,
+                     param_init_fn=lambda m: None)
+    with pytest.raises(TypeError, match=r"param_init_fn=\.\.\.\) must be callable"):
+        FSDPStrategy(param_init_fn=3)
 
 
 def test_torch_mixed_precision_is_read_field_by_field() -> None:
@@ -164,6 +165,34 @@ def test_sync_module_states_broadcasts_rank_0(group2: DistributedGroup) -> None:
     assert group2.run(_sync_module_states, True) == [True, True]
     # without it each rank shards its own model: the gathered model is a mixture
     assert group2.run(_sync_module_states, False) == [False, False]
+
+
+# -- param_init_fn -----------------------------------------------------------------------------
+@torch.no_grad()
+def _init_fn(module: nn.Module) -> None:
+    """A user's param_init_fn: materialize this module's own tensors, fill them by shape."""
+    module.to_empty(device="cpu", recurse=False)
+    for p in module.parameters(recurse=False):
+        p.copy_(torch.arange(p.numel(), dtype=p.dtype).reshape(p.shape) * 1e-3)
+
+
+def _param_init_fn() -> bool:
+    s = _strategy(auto_wrap_policy={Block}, param_init_fn=_init_fn)
+    with s.module_init_context(empty_init=True):
+        model = TinyGPT(layers=2)
+    model = s.setup_module(model)
+    full = fullshard.full_state_dict(model, rank0_only=False)
+    expected = TinyGPT(layers=2)
+    for m in expected.modules():
+        _init_fn(m)
+    buffers_ok = all(not b.is_meta for b in model.buffers())
+    tied = model.head.weight is model.tok.weight
+    return buffers_ok and tied and all(torch.equal(full[k], v)
+                                       for k, v in expected.state_dict().items())
+
+
+def test_param_init_fn_materializes_meta_modules(group2: DistributedGroup) -> None:
+    assert group2.run(_param_init_fn) == [True, True]
 
 
 # -- prefetch keywords ---------------------------------------------------------------------------
