@@ -12,7 +12,8 @@ compared with one process (or with torch FSDP itself where it picks something).
 - `ignored_modules` / `ignored_states`: left full, their gradient this rank's own (no
   reduction), the others' gradients those of one process on the whole batch; clipping norm;
 - torch's `MixedPrecision(param_dtype=bf16, reduce_dtype=bf16)`: root inputs cast, losses and
-  every gradient shard equal one process running the same casts (BatchNorm in fp32 with
+  parameters equal torch FSDP1's own on the same ranks, losses and every gradient shard equal
+  one process running the same casts (BatchNorm in fp32 with
   fp32 buffers, its input cast up and its output back down), `keep_low_precision_grads`,
   `cast_forward_inputs` on inner units;
 - `wrap()` inside `module_sharded_context()` / `module_init_context()` makes units;
@@ -416,6 +417,50 @@ def test_torch_mixed_precision_matches_the_same_casts(group2: DistributedGroup,
         grad_dtypes = set(r["grad_dtypes"].values())
         assert grad_dtypes == ({BF16, torch.float32} if keep_low else {torch.float32})
         assert r["grad_dtypes"]["bn.weight"] == torch.float32
+
+
+def _against_torch_fsdp() -> dict:
+    """torch FSDP1 itself (CPU, gloo) and fullshard, same torch MixedPrecision, same batches."""
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    master = BNNet()
+    mp = TorchMP(param_dtype=BF16, reduce_dtype=BF16, buffer_dtype=BF16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "BatchNorm wrapped separately without MP"
+        theirs = FullyShardedDataParallel(
+            copy.deepcopy(master), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+            mixed_precision=mp, device_id=torch.device("cpu"), use_orig_params=True)
+    ours = _strategy(mixed_precision=mp, auto_wrap_policy={nn.Linear}).setup_module(
+        copy.deepcopy(master))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (theirs, ours)]
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _step in range(3):
+        x, y = torch.randn(4 * world, 6, generator=gen), torch.randn(4 * world, 1, generator=gen)
+        mine = slice(4 * rank, 4 * rank + 4)
+        pair = []
+        for model, opt in zip((theirs, ours), opts):
+            loss = F.mse_loss(model(x[mine]).float(), y[mine])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            pair.append(loss.item())
+        losses.append(pair)
+    with FullyShardedDataParallel.summon_full_params(theirs):
+        torch_params = {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone()
+                        for n, p in theirs.named_parameters()}
+    full = fullshard.full_state_dict(ours, rank0_only=False)
+    return {"losses": losses, "params": {n: torch.allclose(p, full[n], rtol=RTOL, atol=ATOL)
+                                         for n, p in torch_params.items()}}
+
+
+def test_torch_mixed_precision_matches_torch_fsdp(group2: DistributedGroup) -> None:
+    for r in group2.run(_against_torch_fsdp):
+        for theirs, ours in r["losses"]:
+            assert ours == pytest.approx(theirs, rel=RTOL, abs=ATOL), r["losses"]
+        assert len(r["params"]) == 8 and all(r["params"].values()), r["params"]
 
 
 class Recast(nn.Module):
