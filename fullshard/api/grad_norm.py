@@ -28,10 +28,11 @@ def global_grad_norm(
     reduction, not counted once per rank)."""
     if unreduced:
         total = global_grad_norm(grads, norm_type, group, device)
-        mine = torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type).to(device)
-                         for g in unreduced]), norm_type)
-        return torch.linalg.vector_norm(torch.stack([total, mine]), norm_type)
+        norms = torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type).to(device)
+                             for g in unreduced])
+        if norm_type == 0:  # counts of non-zeros add up
+            return total + norms.sum()
+        return torch.linalg.vector_norm(torch.cat([total.reshape(1), norms]), norm_type)
     if "nccl" in group.backend and device.type != "cuda":  # e.g. CPU-offloaded gradients
         device = torch.device("cuda", torch.cuda.current_device())
     if norm_type == float("inf"):
