@@ -128,7 +128,7 @@ def check_engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], TorchFS
             raise ValueError(f"FSDPStrategy({name}=...) must be an int >= 0, got {value!r}")
 
     if _bool("sync_module_states", kwargs.get("sync_module_states", False)):
-        if engine.get("broadcast_from", 0) != 0:
+        if engine.get("broadcast_from") not in (None, 0):
             raise ValueError(
                 f"FSDPStrategy(sync_module_states=True) broadcasts from rank 0 but "
                 f"broadcast_from={engine['broadcast_from']!r} was passed too; keep one."
