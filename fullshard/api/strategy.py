@@ -15,15 +15,11 @@ Meanings where Lightning's FSDP and ours differ on purpose:
 - precision strings: see `api.precision` (forward context as hooks on the model, the scaler's
   global inf check).
 - a tuple `device_mesh` is checked against the world size by us, on CPU and CUDA alike.
-- torch FSDP's own keywords (`sync_module_states`, `limit_all_gathers`, `use_orig_params`,
-  `ignored_modules`, ...) are honoured with their meaning or warned about once where they can
-  have no effect (see [Note: torch FSDP's keywords] in `strategy_args`); any other keyword is
-  a `TypeError`, never dropped.
-- `module_sharded_context()` (entered by `module_init_context`) is torch's `enable_wrap`:
-  modules passed to torch's `wrap()` inside it become units when the model is set up.
-- ignored parameters (`ignored_modules` / `ignored_states`) count in `clip_gradients_norm`
-  with their local gradients, added after the reduction of the shards' norms, as torch FSDP
-  does.
+- torch FSDP's keywords are honoured or warned about once where they have no effect
+  ([Note: torch FSDP's keywords] in `strategy_args`); other keywords are a `TypeError`.
+- `module_sharded_context()` is torch's `enable_wrap`: `wrap()`ped modules become units.
+- ignored parameters count in `clip_gradients_norm` with their local gradients, added after
+  the reduction of the shards' norms, as torch FSDP does.
 """
 
 from __future__ import annotations
@@ -53,9 +49,8 @@ from fullshard.api.optimizer_setup import (
 from fullshard.api.precision import Precision
 from fullshard.api.strategy_args import (
     as_timeout,
-    check_device_id,
     check_engine_kwargs,
-    check_process_group,
+    check_torch_options,
     merge_checkpointing_arguments,
     reduce_op_of,
     warn_once,
@@ -98,11 +93,8 @@ class FSDPStrategy:
         device_mesh: HYBRID_SHARD only: `(replicate, shard)` with product == world size, or a
             2-D `DeviceMesh`. Default for HYBRID_SHARD: (nodes, ranks per node).
         **kwargs: engine options of `fullshard.fsdp`: bucketing_strategy, prefetch_limit,
-            max_pending_reductions, broadcast_from, move_state_dict_to_cpu; and every other
-            keyword of torch's `FullyShardedDataParallel` (sync_module_states,
-            forward_prefetch, backward_prefetch, limit_all_gathers, use_orig_params,
-            ignored_modules, ignored_states, device_id, process_group, param_init_fn), with
-            the meanings listed in the README.
+            max_pending_reductions, broadcast_from, move_state_dict_to_cpu; and torch
+            `FullyShardedDataParallel`'s other keywords (meanings: `strategy_args`, README).
     """
 
     def __init__(
@@ -370,22 +362,10 @@ class FSDPStrategy:
         """Shard `module` in place with this strategy's options and return it."""
         if isinstance(module, FullyShardedModule):
             return module
-        torch_options = self._torch_options
-        check_device_id(torch_options.device_id, self.root_device)
-        check_process_group(torch_options.process_group)
-        if torch_options.sync_module_states and any(
-            t.is_meta for t in (*module.parameters(), *module.buffers())
-        ):
-            raise ValueError(
-                "FSDPStrategy(sync_module_states=True) broadcasts rank 0's values, but the model "
-                "is on the meta device (init_module(empty_init=True)). Drop sync_module_states: "
-                "every rank materializes the model unit by unit in the same order, so with the "
-                "same seed (fabric.seed_everything) all ranks hold the same values -- or build "
-                "the model on a real device."
-            )
+        check_torch_options(self._torch_options, module, self.root_device)
         self.precision_plugin.convert_module(module)
         options: dict[str, Any] = dict(
-            ignored_states=torch_options.ignored_states,
+            ignored_states=self._torch_options.ignored_states,
             device=self.root_device,
             sharding_strategy=self._plan.name,
             auto_wrap_policy=self.auto_wrap_policy,
@@ -449,10 +429,8 @@ class FSDPStrategy:
         return stack
 
     def module_sharded_context(self) -> contextlib.AbstractContextManager:
-        """torch's `enable_wrap`: a module passed to `torch.distributed.fsdp.wrap.wrap()`
-        inside it is marked and becomes a unit when the model is set up (whatever
-        `auto_wrap_policy` says); `wrap()` returns the module itself. Sharding happens at
-        `setup_module`."""
+        """torch's `enable_wrap`: a module passed to torch's `wrap()` inside it is marked and
+        becomes a unit at `setup_module` (besides the policy's); `wrap()` returns it as is."""
         from torch.distributed.fsdp.wrap import enable_wrap
 
         return enable_wrap(wrapper_cls=_mark_unit)

@@ -193,6 +193,23 @@ def check_engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], TorchFS
     return engine, options
 
 
+def check_torch_options(options: TorchFSDPOptions, module: nn.Module,
+                        root: torch.device) -> None:
+    """What can only be checked once the rank's device and the model are known."""
+    check_device_id(options.device_id, root)
+    check_process_group(options.process_group)
+    if options.sync_module_states and any(
+        t.is_meta for t in (*module.parameters(), *module.buffers())
+    ):
+        raise ValueError(
+            "FSDPStrategy(sync_module_states=True) broadcasts rank 0's values, but the model "
+            "is on the meta device (init_module(empty_init=True)). Drop sync_module_states: "
+            "every rank materializes the model unit by unit in the same order, so with the "
+            "same seed (fabric.seed_everything) all ranks hold the same values -- or build "
+            "the model on a real device."
+        )
+
+
 def check_device_id(device_id: int | torch.device | str | None, root: torch.device) -> None:
     """torch FSDP's `device_id` must name the device this rank computes on."""
     if device_id is None:
