@@ -8,9 +8,11 @@ by `resolve_sharding_strategy`, so the engine never sees the many spellings.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 
 class FSDPType(enum.Enum):
@@ -123,37 +125,74 @@ def _check_dtype(name: str, value: object) -> None:
         )
 
 
+def _default_full_precision_modules() -> tuple[type[nn.Module], ...]:
+    return (_BatchNorm,)
+
+
 @dataclass(frozen=True)
 class MixedPrecision:
     """Dtypes for computation and communication; the shards (the optimizer's master weights)
-    keep their own dtype.
+    keep their own dtype. The fields mean what torch FSDP1's `MixedPrecision` fields mean.
 
     - `param_dtype`: shards are cast to it before the all-gather, so modules compute in it and
       the gathered bytes shrink accordingly;
     - `reduce_dtype`: gradients are reduced in it (default: `param_dtype`) and handed to the
       optimizer in the shards' dtype;
     - `buffer_dtype`: buffers are cast to it;
-    - `cast_forward_inputs`: floating-point inputs of each unit are cast to `param_dtype`.
+    - `keep_low_precision_grads`: hand the reduced gradients to `.grad` in `reduce_dtype`
+      instead of the shards' dtype (for an optimizer that steps on low-precision gradients);
+    - `cast_forward_inputs`: floating-point inputs of every unit are cast to `param_dtype`;
+    - `cast_root_forward_inputs`: floating-point inputs of the root are cast to `param_dtype`
+      (torch's default; it wins over `cast_forward_inputs` for the root);
+    - `full_precision_modules`: module classes that stay out of mixed precision (torch's
+      `_module_classes_to_ignore`, BatchNorm by default): their parameters are gathered and
+      reduced in the shards' dtype, their buffers keep theirs, and their floating inputs are
+      cast to fp32 and their outputs back to the input dtype (torch's hooks for the same).
+
+    Our own default is `cast_forward_inputs=True` (every unit casts; the cast is a no-op once
+    the root has cast); torch's class defaults to False and relies on the root cast. Torch
+    FSDP1 keeps `full_precision_modules` in fp32 only when an `auto_wrap_policy` is given;
+    fullshard does it whenever mixed precision is on (see the README).
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     buffer_dtype: torch.dtype | None = None
+    keep_low_precision_grads: bool = False
     cast_forward_inputs: bool = True
+    cast_root_forward_inputs: bool = True
+    full_precision_modules: tuple[type[nn.Module], ...] = field(
+        default_factory=_default_full_precision_modules
+    )
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
             _check_dtype(name, getattr(self, name))
-        if not isinstance(self.cast_forward_inputs, bool):
+        for name in ("keep_low_precision_grads", "cast_forward_inputs",
+                     "cast_root_forward_inputs"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(
+                    f"MixedPrecision.{name} must be a bool, got {getattr(self, name)!r}"
+                )
+        classes = self.full_precision_modules
+        if isinstance(classes, type):
+            classes = (classes,)
+        try:
+            classes = tuple(classes)
+        except TypeError:
+            classes = (classes,)
+        bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
+        if bad:
             raise TypeError(
-                f"MixedPrecision.cast_forward_inputs must be a bool, got "
-                f"{self.cast_forward_inputs!r}"
+                f"MixedPrecision.full_precision_modules must hold nn.Module subclasses, got "
+                f"{bad!r}"
             )
+        object.__setattr__(self, "full_precision_modules", classes)
 
     @classmethod
     def coerce(cls, value: object) -> MixedPrecision | None:
-        """Accept ours, torch's `torch.distributed.fsdp.MixedPrecision` (or FSDP2's
-        `MixedPrecisionPolicy`), or None."""
+        """Accept ours, torch's `torch.distributed.fsdp.MixedPrecision` (every field,
+        `_module_classes_to_ignore` included) or FSDP2's `MixedPrecisionPolicy`, or None."""
         if value is None or isinstance(value, MixedPrecision):
             return value
         if hasattr(value, "param_dtype") and hasattr(value, "reduce_dtype"):
@@ -161,7 +200,10 @@ class MixedPrecision:
                 param_dtype=value.param_dtype,
                 reduce_dtype=value.reduce_dtype,
                 buffer_dtype=getattr(value, "buffer_dtype", None),
+                keep_low_precision_grads=bool(getattr(value, "keep_low_precision_grads", False)),
                 cast_forward_inputs=bool(getattr(value, "cast_forward_inputs", True)),
+                cast_root_forward_inputs=bool(getattr(value, "cast_root_forward_inputs", True)),
+                full_precision_modules=tuple(getattr(value, "_module_classes_to_ignore", ())),
             )
         raise TypeError(
             f"mixed_precision must be a fullshard.MixedPrecision, torch's "

@@ -6,6 +6,8 @@ hands everything to `engine.sharding.shard_module`. It owns no sharding logic.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -19,6 +21,7 @@ from fullshard.config import (
     resolve_sharding_strategy,
 )
 from fullshard.distributed.mesh import build_mesh
+from fullshard.engine.ignored import resolve_ignored
 from fullshard.engine.module import is_wrapped
 from fullshard.engine.sharding import shard_module
 
@@ -45,6 +48,10 @@ def fsdp(
     device_mesh: object = None,
     prefetch_limit: int = 1,
     max_pending_reductions: int = 2,
+    forward_prefetch: bool = True,
+    backward_prefetch: bool = True,
+    ignored_states: Iterable[nn.Module | nn.Parameter] | None = None,
+    param_init_fn: Callable[[nn.Module], object] | None = None,
 ) -> nn.Module:
     """Shard `model` in place over the default process group and return it.
 
@@ -68,6 +75,13 @@ def fsdp(
         prefetch_limit: units gathered ahead of the one running (0 disables prefetch).
         max_pending_reductions: units whose gradient reductions may be in flight during
             backward before the oldest is waited for.
+        forward_prefetch / backward_prefetch: whether `prefetch_limit` applies in forward /
+            backward (False: a unit is gathered only when it runs).
+        ignored_states: submodules or parameters left alone, as torch FSDP's
+            `ignored_states`: not sharded, not moved, cast or broadcast, and their gradients
+            not reduced (see `fullshard.engine.ignored`).
+        param_init_fn: torch FSDP's: called on each module with meta-device tensors, one unit
+            at a time, instead of its `reset_parameters()` (see `fullshard.engine.materialize`).
 
     After the call, `model.named_parameters()` yields this rank's shards under the original
     names: build the optimizer afterwards. Gradients are averaged over all ranks, as DDP does.
@@ -107,6 +121,13 @@ def fsdp(
             f"tensors on the meta device (e.g. {on_meta[0]!r}). Materialize the model on "
             f"the source rank first, or drop broadcast_from."
         )
+    for name, value in (("forward_prefetch", forward_prefetch),
+                        ("backward_prefetch", backward_prefetch)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise TypeError(f"param_init_fn must be callable, got {param_init_fn!r}")
+    ignored = resolve_ignored(model, ignored_states)
     mp = MixedPrecision.coerce(mixed_precision)
     offload = CPUOffload.coerce(cpu_offload).offload_params
     resolved_device = default_device() if device is None else _as_device(device)
@@ -122,8 +143,11 @@ def fsdp(
         mixed_precision=mp,
         offload=offload,
         activation_checkpointing_policy=activation_checkpointing_policy,
-        prefetch_limit=prefetch_limit,
+        prefetch_limit=prefetch_limit if forward_prefetch else 0,
+        backward_prefetch_limit=prefetch_limit if backward_prefetch else 0,
         max_pending_reductions=max_pending_reductions,
+        ignored=ignored,
+        param_init_fn=param_init_fn,
     )
     runtime.move_state_dict_to_cpu = True if move_state_dict_to_cpu is None else bool(
         move_state_dict_to_cpu

@@ -17,9 +17,22 @@ from fullshard.distributed import comm
 
 
 def global_grad_norm(
-    grads: Sequence[torch.Tensor], norm_type: float, group: comm.Group, device: torch.device
+    grads: Sequence[torch.Tensor],
+    norm_type: float,
+    group: comm.Group,
+    device: torch.device,
+    unreduced: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
-    """The `norm_type`-norm of the gradients whose disjoint slices `grads` are, over `group`."""
+    """The `norm_type`-norm of the gradients whose disjoint slices `grads` are, over `group`,
+    together with this rank's `unreduced` gradients (ignored parameters: added after the
+    reduction, not counted once per rank)."""
+    if unreduced:
+        total = global_grad_norm(grads, norm_type, group, device)
+        norms = torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type).to(device)
+                             for g in unreduced])
+        if norm_type == 0:  # counts of non-zeros add up
+            return total + norms.sum()
+        return torch.linalg.vector_norm(torch.cat([total.reshape(1), norms]), norm_type)
     if "nccl" in group.backend and device.type != "cuda":  # e.g. CPU-offloaded gradients
         device = torch.device("cuda", torch.cuda.current_device())
     if norm_type == float("inf"):
@@ -50,9 +63,12 @@ def clip_grad_norm(
     device: torch.device,
     *,
     error_if_nonfinite: bool,
+    unreduced: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
-    """Scale `grads` in place so their global norm is at most `max_norm`; return the norm."""
-    total = global_grad_norm(grads, norm_type, group, device)
+    """Scale `grads` (and `unreduced`) in place so their global norm is at most `max_norm`;
+    return the norm."""
+    total = global_grad_norm(grads, norm_type, group, device, unreduced)
+    grads = [*grads, *unreduced]
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"The total norm of order {norm_type} of the gradients is non-finite "

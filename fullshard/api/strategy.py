@@ -15,8 +15,11 @@ Meanings where Lightning's FSDP and ours differ on purpose:
 - precision strings: see `api.precision` (forward context as hooks on the model, the scaler's
   global inf check).
 - a tuple `device_mesh` is checked against the world size by us, on CPU and CUDA alike.
-- unknown `**kwargs` are a `TypeError` (torch FSDP1 options that have an equivalent here say
-  which), never dropped.
+- torch FSDP's keywords are honoured or warned about once where they have no effect
+  ([Note: torch FSDP's keywords] in `strategy_args`); other keywords are a `TypeError`.
+- `module_sharded_context()` is torch's `enable_wrap`: `wrap()`ped modules become units.
+- ignored parameters count in `clip_gradients_norm` with their local gradients, added after
+  the reduction of the shards' norms, as torch FSDP does.
 """
 
 from __future__ import annotations
@@ -47,8 +50,10 @@ from fullshard.api.precision import Precision, as_lightning_plugin
 from fullshard.api.strategy_args import (
     as_timeout,
     check_engine_kwargs,
+    check_torch_options,
     merge_checkpointing_arguments,
     reduce_op_of,
+    warn_once,
 )
 from fullshard.config import (
     CPUOffload,
@@ -61,7 +66,7 @@ from fullshard.distributed import comm
 from fullshard.distributed.environment import ClusterEnvironment, detect_environment
 from fullshard.distributed.mesh import check_mesh_shape, is_device_mesh
 from fullshard.engine.module import FullyShardedModule
-from fullshard.engine.wrap import normalize_policy
+from fullshard.engine.wrap import mark_unit, normalize_policy
 
 
 class FSDPStrategy:
@@ -88,7 +93,8 @@ class FSDPStrategy:
         device_mesh: HYBRID_SHARD only: `(replicate, shard)` with product == world size, or a
             2-D `DeviceMesh`. Default for HYBRID_SHARD: (nodes, ranks per node).
         **kwargs: engine options of `fullshard.fsdp`: bucketing_strategy, prefetch_limit,
-            max_pending_reductions, broadcast_from, move_state_dict_to_cpu.
+            max_pending_reductions, broadcast_from, move_state_dict_to_cpu; and torch
+            `FullyShardedDataParallel`'s other keywords (meanings: `strategy_args`, README).
     """
 
     def __init__(
@@ -110,7 +116,7 @@ class FSDPStrategy:
         device_mesh: tuple[int, int] | object | None = None,
         **kwargs: Any,
     ) -> None:
-        self._engine_kwargs = check_engine_kwargs(kwargs)
+        self._engine_kwargs, self._torch_options = check_engine_kwargs(kwargs)
 
         self._plan = resolve_sharding_strategy(sharding_strategy)
         if device_mesh is not None:
@@ -363,8 +369,10 @@ class FSDPStrategy:
         """Shard `module` in place with this strategy's options and return it."""
         if isinstance(module, FullyShardedModule):
             return module
+        check_torch_options(self._torch_options, module, self.root_device)
         self.precision_plugin.convert_module(module)
         options: dict[str, Any] = dict(
+            ignored_states=self._torch_options.ignored_states,
             device=self.root_device,
             sharding_strategy=self._plan.name,
             auto_wrap_policy=self.auto_wrap_policy,
@@ -428,8 +436,11 @@ class FSDPStrategy:
         return stack
 
     def module_sharded_context(self) -> contextlib.AbstractContextManager:
-        """Nothing to enter: sharding happens at `setup_module` (there is no manual `wrap`)."""
-        return contextlib.nullcontext()
+        """torch's `enable_wrap`: a module passed to torch's `wrap()` inside it is marked and
+        becomes a unit at `setup_module` (besides the policy's); `wrap()` returns it as is."""
+        from torch.distributed.fsdp.wrap import enable_wrap
+
+        return enable_wrap(wrapper_cls=_mark_unit)
 
     def _wrapped(self, module: nn.Module, what: str) -> nn.Module:
         if not isinstance(module, FullyShardedModule):
@@ -474,12 +485,18 @@ class FSDPStrategy:
         module = self._wrapped(module, "clip_gradients_norm")
         if self.precision_plugin.unscale_for_clipping(optimizer, "clip_gradients_norm"):
             error_if_nonfinite = False  # an overflow step: skipped, not an error
-        group = module.fullshard_runtime.mesh.shard  # type: ignore[attr-defined]
+        runtime = module.fullshard_runtime  # type: ignore[attr-defined]
+        group = runtime.mesh.shard
         norm_type = float(norm_type)
-        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        sharded = {id(p.param) for u in runtime.units for p in u.params}
+        grads = [p.grad for p in module.parameters() if p.grad is not None and id(p) in sharded]
+        # Ignored parameters: full, unreduced local gradients (torch FSDP's rule).
+        local = [p.grad for p in module.parameters()
+                 if p.grad is not None and id(p) not in sharded]
         device = grads[0].device if grads else self.root_device
         return clip_grad_norm(
-            grads, max_norm, norm_type, group, device, error_if_nonfinite=error_if_nonfinite
+            grads, max_norm, norm_type, group, device, error_if_nonfinite=error_if_nonfinite,
+            unreduced=local,
         )
 
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer | None,
@@ -574,6 +591,18 @@ class FSDPStrategy:
             f"state_dict_type={self._state_dict_type!r}, "
             f"precision={self._precision or '32-true'!r})"
         )
+
+
+def _mark_unit(module: nn.Module, **overrides: Any) -> nn.Module:
+    """The `wrapper_cls` of `module_sharded_context`'s `enable_wrap`: torch's `wrap(m)` calls
+    it and gets `m` back, marked as a unit."""
+    if overrides:
+        warn_once(
+            "wrap_overrides",
+            f"torch's wrap(module, **overrides) ignores {sorted(overrides)} under fullshard: "
+            f"every unit uses the FSDPStrategy's options; the module still becomes a unit.",
+        )
+    return mark_unit(module)
 
 
 def _destroy_process_group() -> None:

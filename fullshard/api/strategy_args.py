@@ -1,17 +1,21 @@
 """Parsing and checking `FSDPStrategy`'s arguments: engine keywords, the deprecated
 `activation_checkpointing`, the timeout, and the reduce ops of the user collectives.
 
-Every rejection says what was found and what to pass instead (torch FSDP1 options that have
-an equivalent here name it).
+Also torch FSDP's own keywords (see [Note: torch FSDP's keywords]): each is translated to
+the engine's option with the same meaning, checked at setup, or warned about once when it
+can have no effect here. Every rejection says what was found and what to pass instead.
 """
 
 from __future__ import annotations
 
+import enum
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -24,17 +28,40 @@ ENGINE_OPTIONS = (
     "broadcast_from",
     "move_state_dict_to_cpu",
 )
-_TORCH_FSDP_HINTS = {
-    "use_orig_params": "fullshard always exposes the original parameters (as shards); drop it",
-    "limit_all_gathers": "use prefetch_limit=N (units gathered ahead of the running one)",
-    "forward_prefetch": "use prefetch_limit=N",
-    "backward_prefetch": "use prefetch_limit=N",
-    "sync_module_states": "use broadcast_from=0",
-    "process_group": "use device_mesh=(replicate, shard) or a DeviceMesh with HYBRID_SHARD",
-    "param_init_fn": "build the model under fabric.init_module(empty_init=True); modules are "
-    "materialized with their reset_parameters()",
-    "device_id": "the device follows the local rank (FSDPStrategy.root_device)",
-}
+
+# [Note: torch FSDP's keywords]
+# Every keyword of torch's `FullyShardedDataParallel.__init__` (torch 2.13) is accepted:
+# `sharding_strategy`, `cpu_offload`, `auto_wrap_policy`, `mixed_precision` and `device_mesh`
+# are FSDPStrategy's own arguments; the rest arrive through `**kwargs` and mean:
+#   sync_module_states=True   broadcast_from=0: rank 0's parameters and buffers everywhere
+#                             (a meta-device model is a ValueError: nothing to broadcast)
+#   forward_prefetch          prefetch in forward on/off (torch defaults to off; we prefetch
+#                             unless it is passed as False)
+#   backward_prefetch         None: no prefetch in backward; BACKWARD_PRE/POST: prefetch (ours
+#                             is issued when the running unit is gathered, i.e. PRE's timing)
+#   limit_all_gathers=True    at most one unit gathered ahead of the running one (caps
+#                             prefetch_limit at 1); False lifts nothing beyond prefetch_limit
+#   use_orig_params=True      our behaviour; False: warned once, no effect
+#   ignored_modules/_states   left unsharded, unmoved, uncast, gradients not reduced
+#   device_id                 must name the rank's device (checked at setup)
+#   process_group             None or the default group (all ranks); other groups: use
+#                             device_mesh
+#   param_init_fn             called on each meta-device module, unit by unit, instead of
+#                             its reset_parameters()
+# Anything else is a TypeError naming it.
+TORCH_FSDP_OPTIONS = (
+    "process_group",
+    "backward_prefetch",
+    "ignored_modules",
+    "param_init_fn",
+    "device_id",
+    "sync_module_states",
+    "forward_prefetch",
+    "limit_all_gathers",
+    "use_orig_params",
+    "ignored_states",
+)
+_WARNED: set[str] = set()
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
     "max": dist.ReduceOp.MAX,
@@ -44,24 +71,172 @@ _REDUCE_OPS = {
 }
 
 
-def check_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The engine options among `**kwargs`, checked; anything else is a `TypeError`."""
-    unknown = [k for k in kwargs if k not in ENGINE_OPTIONS]
+def warn_once(key: str, message: str) -> None:
+    """A `UserWarning` the first time `key` is seen in this process."""
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    warnings.warn(message, UserWarning, stacklevel=4)
+
+
+@dataclass(frozen=True)
+class TorchFSDPOptions:
+    """The torch FSDP keywords that are checked or applied when the model is set up."""
+
+    device_id: int | torch.device | None = None
+    process_group: Any = None
+    sync_module_states: bool = False
+    ignored_states: tuple[Any, ...] | None = None
+
+
+def _bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"FSDPStrategy({name}=...) must be a bool, got {value!r}")
+    return value
+
+
+def _backward_prefetch(value: object) -> bool:
+    """Whether torch's `backward_prefetch` value asks for prefetching in backward."""
+    if value is None:
+        return False
+    name = value.name if isinstance(value, enum.Enum) else value
+    if isinstance(name, str) and name.upper() in ("BACKWARD_PRE", "BACKWARD_POST"):
+        return True
+    raise ValueError(
+        f"FSDPStrategy(backward_prefetch={value!r}) must be None or torch's "
+        f"BackwardPrefetch.BACKWARD_PRE / BACKWARD_POST."
+    )
+
+
+def check_engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], TorchFSDPOptions]:
+    """Split `**kwargs` into engine options for `fullshard.fsdp` (torch FSDP keywords
+    translated, see the note above) and what `setup_module` checks; anything else is a
+    `TypeError` naming it."""
+    unknown = [k for k in kwargs if k not in ENGINE_OPTIONS and k not in TORCH_FSDP_OPTIONS]
     if unknown:
-        hints = "".join(
-            f"\n  {k}: {_TORCH_FSDP_HINTS[k]}" for k in unknown if k in _TORCH_FSDP_HINTS
-        )
         raise TypeError(
             f"FSDPStrategy got unexpected keyword argument(s) {', '.join(map(repr, unknown))}."
-            f" Engine options accepted as keywords: {', '.join(ENGINE_OPTIONS)}.{hints}"
+            f" Engine options accepted as keywords: {', '.join(ENGINE_OPTIONS)}; torch FSDP "
+            f"options: {', '.join(TORCH_FSDP_OPTIONS)}."
         )
-    if "bucketing_strategy" in kwargs:
-        resolve_bucketing_strategy(kwargs["bucketing_strategy"])
+    engine = {k: v for k, v in kwargs.items() if k in ENGINE_OPTIONS}
+    if "bucketing_strategy" in engine:
+        resolve_bucketing_strategy(engine["bucketing_strategy"])
     for name in ("prefetch_limit", "max_pending_reductions"):
-        value = kwargs.get(name, 1)
+        value = engine.get(name, 1)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"FSDPStrategy({name}=...) must be an int >= 0, got {value!r}")
-    return dict(kwargs)
+
+    if _bool("sync_module_states", kwargs.get("sync_module_states", False)):
+        if engine.get("broadcast_from") not in (None, 0):
+            raise ValueError(
+                f"FSDPStrategy(sync_module_states=True) broadcasts from rank 0 but "
+                f"broadcast_from={engine['broadcast_from']!r} was passed too; keep one."
+            )
+        engine["broadcast_from"] = 0
+    if "forward_prefetch" in kwargs:
+        engine["forward_prefetch"] = _bool("forward_prefetch", kwargs["forward_prefetch"])
+    if "backward_prefetch" in kwargs:
+        engine["backward_prefetch"] = _backward_prefetch(kwargs["backward_prefetch"])
+    if _bool("limit_all_gathers", kwargs.get("limit_all_gathers", False)):
+        if engine.get("prefetch_limit", 1) > 1:
+            raise ValueError(
+                f"FSDPStrategy(limit_all_gathers=True) allows one unit gathered ahead of the "
+                f"running one, but prefetch_limit={engine['prefetch_limit']} asks for more; "
+                f"drop one of them."
+            )
+        engine["prefetch_limit"] = min(engine.get("prefetch_limit", 1), 1)
+    if not _bool("use_orig_params", kwargs.get("use_orig_params", True)):
+        warn_once(
+            "use_orig_params",
+            "FSDPStrategy(use_orig_params=False) has no effect: fullshard always exposes the "
+            "original parameters (as this rank's shards) under their own names, which is "
+            "torch FSDP's use_orig_params=True.",
+        )
+    if kwargs.get("param_init_fn") is not None:
+        if not callable(kwargs["param_init_fn"]):
+            raise TypeError(
+                f"FSDPStrategy(param_init_fn=...) must be callable, got "
+                f"{kwargs['param_init_fn']!r}"
+            )
+        engine["param_init_fn"] = kwargs["param_init_fn"]
+    if kwargs.get("ignored_modules") is not None and kwargs.get("ignored_states") is not None:
+        raise ValueError(
+            "FSDPStrategy got both ignored_modules and ignored_states; pass one of them "
+            "(ignored_states takes modules or parameters), as torch FSDP requires."
+        )
+    ignored = kwargs.get("ignored_states", kwargs.get("ignored_modules"))
+    if ignored is not None:
+        if isinstance(ignored, nn.Module | torch.Tensor):
+            ignored = [ignored]
+        ignored = tuple(ignored)
+        kinds = {isinstance(x, nn.Parameter) for x in ignored}
+        if len(kinds) > 1:
+            raise ValueError(
+                "FSDPStrategy(ignored_states=...) must hold only parameters or only modules, "
+                "as torch FSDP requires."
+            )
+        if kwargs.get("ignored_modules") is not None and kinds == {True}:
+            raise TypeError("FSDPStrategy(ignored_modules=...) must hold modules, got "
+                            "parameters; pass them as ignored_states.")
+    device_id = kwargs.get("device_id")
+    if device_id is not None and not isinstance(device_id, int | torch.device | str):
+        raise TypeError(
+            f"FSDPStrategy(device_id=...) must be an int or torch.device, got {device_id!r}"
+        )
+    options = TorchFSDPOptions(
+        sync_module_states=kwargs.get("sync_module_states", False),
+        device_id=device_id,
+        process_group=kwargs.get("process_group"),
+        ignored_states=ignored,
+    )
+    return engine, options
+
+
+def check_torch_options(options: TorchFSDPOptions, module: nn.Module,
+                        root: torch.device) -> None:
+    """What can only be checked once the rank's device and the model are known."""
+    check_device_id(options.device_id, root)
+    check_process_group(options.process_group)
+    if options.sync_module_states and any(
+        t.is_meta for t in (*module.parameters(), *module.buffers())
+    ):
+        raise ValueError(
+            "FSDPStrategy(sync_module_states=True) broadcasts rank 0's values, but the model "
+            "is on the meta device (init_module(empty_init=True)). Drop sync_module_states: "
+            "every rank materializes the model unit by unit in the same order, so with the "
+            "same seed (fabric.seed_everything) all ranks hold the same values -- or build "
+            "the model on a real device."
+        )
+
+
+def check_device_id(device_id: int | torch.device | str | None, root: torch.device) -> None:
+    """torch FSDP's `device_id` must name the device this rank computes on."""
+    if device_id is None:
+        return
+    if isinstance(device_id, int):
+        wanted = torch.device(root.type if root.type != "cpu" else "cuda", device_id)
+    else:
+        wanted = torch.device(device_id)
+    if wanted.type == root.type and (wanted.index is None or wanted.index == root.index
+                                     or root.type == "cpu"):
+        return
+    raise ValueError(
+        f"FSDPStrategy(device_id={device_id!r}) names {wanted}, but this rank computes on "
+        f"{root} (the accelerator and the local rank decide it). Drop device_id or make it "
+        f"{root}."
+    )
+
+
+def check_process_group(process_group: object) -> None:
+    """Only the default group (all ranks) is a valid torch FSDP `process_group` here."""
+    if process_group is None or process_group is dist.group.WORLD:
+        return
+    raise ValueError(
+        f"FSDPStrategy(process_group={process_group!r}) is not supported: fullshard shards "
+        f"over all ranks. For HYBRID_SHARD's (intra-node, inter-node) groups pass "
+        f"sharding_strategy='HYBRID_SHARD' with device_mesh=(replicate, shard) instead."
+    )
 
 
 def merge_checkpointing_arguments(

@@ -58,12 +58,16 @@ class Bucket:
         compute_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         offload: bool = False,
+        keep_low_precision_grads: bool = False,
     ) -> None:
         self.params = list(params)
         self.mesh = mesh
         self.dtype = dtype  # the shards' (master) dtype, also the gradients handed to .grad
         self.compute_dtype = compute_dtype or dtype  # gathered parameters
         self.reduce_dtype = reduce_dtype or self.compute_dtype  # gradient reductions
+        # the dtype of `.grad`: the shards' (for the optimizer), or MixedPrecision's
+        # keep_low_precision_grads: the reduce dtype
+        self.grad_dtype = self.reduce_dtype if keep_low_precision_grads else dtype
         self.device = device  # where gathering, compute and reductions happen
         self.offload = offload
         self.requires_grad = self.params[0].requires_grad
@@ -305,13 +309,18 @@ class PendingReduction:
         post = bucket.mesh.data_parallel_size / self._pre
         if post != 1.0:
             out.div_(post)
-        out = out.to(bucket.shard_flat.device, bucket.dtype)
+        out = out.to(bucket.shard_flat.device, bucket.grad_dtype)
         with torch.no_grad():
             for p in bucket.params:
                 n = p.layout.local_rows * p.layout.row_numel
                 grad = out[p.offset : p.offset + n].view(p.layout.local_shape)
                 param = p.param
-                if param.grad is None:
+                if param.grad is None and grad.dtype != param.dtype:
+                    # keep_low_precision_grads: `.grad = ` refuses another dtype; torch
+                    # FSDP sets `.grad.data` the same way.
+                    param.grad = torch.empty_like(param)
+                    param.grad.data = grad
+                elif param.grad is None:
                     param.grad = grad
                 else:
                     param.grad.add_(grad)

@@ -34,19 +34,37 @@ if TYPE_CHECKING:
     from fullshard.engine.unit import Unit
 
 
-def _checkpointed_modules(model: nn.Module, policy: object) -> list[nn.Module]:
+def _checkpointed_modules(
+    model: nn.Module, policy: object, numel_of: dict[int, int]
+) -> list[nn.Module]:
+    """The modules torch's `apply_activation_checkpointing(model, auto_wrap_policy=policy)`
+    would wrap on the unsharded model: its recursive rule (ask with `recurse=True` and the
+    subtree's parameter count whether to look inside, then bottom-up with `recurse=False` and
+    the count not yet claimed below), never the root. `numel_of` gives each parameter's
+    unsharded size (the registered ones are shards by now)."""
     fn = normalize_policy(policy)
     if fn is None:
         return []
     chosen: list[nn.Module] = []
-    for module in model.modules():
-        if module is not model and fn(module, False, 0):
+
+    def visit(module: nn.Module, is_root: bool) -> int:
+        numel = sum(numel_of.get(id(p), p.numel()) for p in module.parameters())
+        if not fn(module, True, numel):
+            return 0
+        wrapped = sum(visit(child, False) for child in module.children())
+        if not is_root and fn(module, False, numel - wrapped):
             chosen.append(module)
-    return chosen
+            return numel
+        return wrapped
+
+    visit(model, True)
+    picked = {id(m) for m in chosen}  # a module reused at two places is checkpointed once
+    return [m for m in model.modules() if id(m) in picked]
 
 
 def apply_activation_checkpointing(model: nn.Module, policy: object, runtime: Runtime) -> None:
-    for module in _checkpointed_modules(model, policy):
+    numel_of = {id(p.param): p.layout.numel for u in runtime.units for p in u.params}
+    for module in _checkpointed_modules(model, policy, numel_of):
         inside = {id(m) for m in module.modules()}
         nested_units = {id(u.module) for u in runtime.units if u.module is not module} & inside
         needed: list[Unit] = []

@@ -77,7 +77,8 @@ class Runtime:
         *,
         prefetch_limit: int,
         max_pending_reductions: int,
-        input_dtype: torch.dtype | None = None,
+        backward_prefetch_limit: int | None = None,
+        input_dtypes: dict[Unit, torch.dtype] | None = None,
     ) -> None:
         self.units = units
         self.root = units[0]
@@ -85,9 +86,14 @@ class Runtime:
             u.index = i
         self.mesh = mesh
         self.plan = plan
-        self.prefetch_limit = prefetch_limit
+        self.prefetch_limit = prefetch_limit  # forward: units gathered ahead of the running one
+        # backward: the same unless told (torch's backward_prefetch=None turns it off)
+        self.backward_prefetch_limit = (
+            prefetch_limit if backward_prefetch_limit is None else backward_prefetch_limit
+        )
         self.max_pending_reductions = max_pending_reductions
-        self.input_dtype = input_dtype  # mixed precision: floating inputs of units cast to it
+        # mixed precision: the dtype each unit casts its floating inputs to (precision.py)
+        self.input_dtypes = input_dtypes or {}
         self.sync_gradients = True
         self.move_state_dict_to_cpu = True  # default of full_state_dict(cpu_offload=None)
         self.pass_id = 0
@@ -135,8 +141,9 @@ class Runtime:
         if unit is self.root and self._wants_saved_tensor_hooks(with_grad, recomputing):
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_hooks.__enter__()
-        if self.input_dtype is not None:
-            return _cast_floating((args, kwargs), self.input_dtype)
+        dtype = self.input_dtypes.get(unit)
+        if dtype is not None:
+            return _cast_floating((args, kwargs), dtype)
         return None
 
     def gather_for_recompute(self, unit: Unit) -> None:
@@ -219,9 +226,10 @@ class Runtime:
 
     def _prefetch_backward(self, unit: Unit) -> None:
         i = self._backward_plan.get(unit)
-        if self.prefetch_limit <= 0 or i is None:
+        limit = self.backward_prefetch_limit
+        if limit <= 0 or i is None:
             return
-        for nxt in self._backward_plan_list[i + 1 : i + 1 + self.prefetch_limit]:
+        for nxt in self._backward_plan_list[i + 1 : i + 1 + limit]:
             if not nxt.is_gathered:
                 nxt.start_gather(async_op=True)
 

@@ -11,11 +11,16 @@ one model; it equals a model built eagerly whose modules are reset in the same o
 parameters stay tied (the new tensor replaces the meta one in every module holding it; the
 last module to reset it decides its value). A module with meta tensors and no
 `reset_parameters` is an error naming it.
+
+With torch FSDP's `param_init_fn`, that function is called instead on each module of the unit
+that still has meta tensors (in the same order), and must materialize it (e.g.
+`module.to_empty(device=..., recurse=False)` and initialize); a parameter it replaces is
+re-registered in every module holding it when the unit is sharded.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -48,6 +53,7 @@ def materialize_unit(
     unit_ids: set[int],
     owned: Sequence[ParamOwnership],
     device: torch.device,
+    param_init_fn: Callable[[nn.Module], object] | None = None,
 ) -> None:
     names = {id(m): n for n, m in root.named_modules()}
     refs_by_param: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -56,6 +62,12 @@ def materialize_unit(
     # Decide which modules to reset before materializing anything: materializing a tied
     # parameter for its first holder must not make a later holder look already initialized.
     to_reset = [m for m in _unit_modules(unit_module, unit_ids) if _has_meta(m)]
+    if param_init_fn is not None:
+        for module in to_reset:
+            if _has_meta(module):  # an earlier call may have materialized it (recurse=True)
+                param_init_fn(module)
+        _check_materialized(owned)
+        return
     for module in to_reset:
         if not callable(getattr(module, "reset_parameters", None)):
             raise TypeError(
@@ -76,6 +88,10 @@ def materialize_unit(
                 module._buffers[name] = torch.empty_like(b, device=device)
     for module in to_reset:
         module.reset_parameters()
+    _check_materialized(owned)
+
+
+def _check_materialized(owned: Sequence[ParamOwnership]) -> None:
     still_meta = [o.name for o in owned if o.current.is_meta]
     if still_meta:
         raise ValueError(

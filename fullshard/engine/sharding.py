@@ -15,6 +15,7 @@ on the source rank -- are ever allocated at once):
    c. each bucket's flat shard is filled from the local values, or scattered from
       `broadcast_from`, and the local shards replace the parameters under their names;
 3. buffers move to the device (cast to the buffer dtype, broadcast from `broadcast_from`);
+   ignored modules and parameters (`ignored.py`) are skipped throughout;
 4. the runtime is created, the units hooked, activation checkpointing applied, the root
    marked as wrapped.
 """
@@ -22,7 +23,7 @@ on the source rank -- are ever allocated at once):
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -33,9 +34,19 @@ from fullshard.distributed.mesh import ShardMesh
 from fullshard.engine.bucket import Bucket
 from fullshard.engine.checkpointing import apply_activation_checkpointing
 from fullshard.engine.hooks import Runtime
+from fullshard.engine.ignored import Ignored
 from fullshard.engine.layout import ShardLayout
 from fullshard.engine.materialize import materialize_unit
 from fullshard.engine.module import mark_wrapped
+from fullshard.engine.precision import (
+    bucket_dtypes,
+    buffer_dtype,
+    full_precision_ids,
+    holds_full_precision,
+    install_full_precision_casts,
+    keeps_low_precision_grads,
+    unit_input_dtypes,
+)
 from fullshard.engine.sharded_param import ShardedParam
 from fullshard.engine.unit import Unit
 from fullshard.engine.wrap import ParamOwnership, assign_params, select_units
@@ -55,10 +66,15 @@ def shard_module(
     activation_checkpointing_policy: object,
     prefetch_limit: int,
     max_pending_reductions: int,
+    backward_prefetch_limit: int | None = None,
+    ignored: Ignored | None = None,
+    param_init_fn: Callable[[nn.Module], object] | None = None,
 ) -> Runtime:
-    unit_modules = select_units(model, auto_wrap_policy)
-    owned = assign_params(model, unit_modules)
+    ignored = ignored or Ignored()
+    unit_modules = select_units(model, auto_wrap_policy, ignored)
+    owned = assign_params(model, unit_modules, ignored)
     names = {id(m): n for n, m in model.named_modules()}
+    fp_ids = full_precision_ids(model, mixed_precision)
     shard_rank_of_global: list[int] | None = None
     if broadcast_from is not None:
         shard_rank_of_global = comm.all_gather_object(mesh.shard.rank, mesh.world)
@@ -66,12 +82,13 @@ def shard_module(
     units: list[Unit] = []
     for module in unit_modules:
         mine = [o for o in owned if o.unit is module]
-        materialize_unit(model, module, set(map(id, unit_modules)), mine, device)
+        materialize_unit(model, module, set(map(id, unit_modules)), mine, device, param_init_fn)
         buckets = []
-        for group in _bucket_groups(mine, bucketing):
+        for group in _bucket_groups(mine, bucketing, fp_ids):
             params = [_sharded_param(o, mesh) for o in group]
             dtype = group[0].current.dtype
-            compute, reduce = _precision_dtypes(mixed_precision, dtype)
+            full = holds_full_precision(group[0].refs, fp_ids)
+            compute, reduce = bucket_dtypes(mixed_precision, dtype, full)
             bucket = Bucket(
                 params,
                 mesh,
@@ -80,6 +97,7 @@ def shard_module(
                 compute_dtype=compute,
                 reduce_dtype=reduce,
                 offload=offload,
+                keep_low_precision_grads=keeps_low_precision_grads(mixed_precision, full),
             )
             _fill_bucket(bucket, group, mesh, broadcast_from, shard_rank_of_global)
             for sp in params:
@@ -89,18 +107,15 @@ def shard_module(
             o.param = None  # drop our reference to the full tensor: only shards remain
         units.append(Unit(module, names[id(module)], buckets))
 
-    buffer_dtype = mixed_precision.buffer_dtype if mixed_precision else None
-    _move_buffers(model, device, buffer_dtype, mesh, broadcast_from)
-    input_dtype = None
-    if mixed_precision is not None and mixed_precision.cast_forward_inputs:
-        input_dtype = mixed_precision.param_dtype
+    _move_buffers(model, device, mixed_precision, fp_ids, mesh, broadcast_from, ignored)
     runtime = Runtime(
         units,
         mesh,
         plan,
         prefetch_limit=prefetch_limit,
         max_pending_reductions=max_pending_reductions,
-        input_dtype=input_dtype,
+        backward_prefetch_limit=backward_prefetch_limit,
+        input_dtypes=unit_input_dtypes(units, mixed_precision, fp_ids),
     )
     for unit in units:
         unit.module.register_forward_pre_hook(
@@ -109,6 +124,7 @@ def shard_module(
         unit.module.register_forward_hook(
             functools.partial(runtime.post_forward, unit), always_call=True
         )
+    install_full_precision_casts(model, mixed_precision)
     apply_activation_checkpointing(model, activation_checkpointing_policy, runtime)
     mark_wrapped(model, runtime)
     return runtime
@@ -117,10 +133,8 @@ def shard_module(
 def _precision_dtypes(
     mp: MixedPrecision | None, dtype: torch.dtype
 ) -> tuple[torch.dtype | None, torch.dtype | None]:
-    """(compute, reduce) dtypes of a bucket whose shards are `dtype`; None keeps the default."""
-    if mp is None or not dtype.is_floating_point:
-        return None, None
-    return mp.param_dtype, mp.reduce_dtype
+    """(compute, reduce) dtypes of an ordinary bucket (the planner's estimate uses it)."""
+    return bucket_dtypes(mp, dtype, full_precision=False)
 
 
 def _sharded_param(o: ParamOwnership, mesh: ShardMesh) -> ShardedParam:
@@ -129,11 +143,14 @@ def _sharded_param(o: ParamOwnership, mesh: ShardMesh) -> ShardedParam:
 
 
 def _bucket_groups(
-    owned: Sequence[ParamOwnership], bucketing: FSDPBucketingStrategy
+    owned: Sequence[ParamOwnership],
+    bucketing: FSDPBucketingStrategy,
+    fp_ids: set[int] | frozenset[int] = frozenset(),
 ) -> list[list[ParamOwnership]]:
     groups: dict[tuple, list[ParamOwnership]] = {}
     for i, o in enumerate(owned):
-        kind = (o.current.dtype, o.current.requires_grad)
+        full = holds_full_precision(o.refs, fp_ids)  # gathered in its own dtype (precision.py)
+        kind = (o.current.dtype, o.current.requires_grad, full)
         if bucketing is FSDPBucketingStrategy.NONE:
             key: tuple = (i,)
         elif bucketing is FSDPBucketingStrategy.LAYER:
@@ -179,17 +196,21 @@ def _fill_bucket(
 def _move_buffers(
     model: nn.Module,
     device: torch.device,
-    buffer_dtype: torch.dtype | None,
+    mixed_precision: MixedPrecision | None,
+    fp_ids: set[int],
     mesh: ShardMesh,
     broadcast_from: int | None,
+    ignored: Ignored,
 ) -> None:
     moved: dict[int, torch.Tensor] = {}
     for module in model.modules():
+        if id(module) in ignored.modules:
+            continue  # the user's, untouched (ignored.py)
         for name, buf in module._buffers.items():
             if buf is None:
                 continue
             if id(buf) not in moved:
-                cast = buffer_dtype if buf.is_floating_point() else None
+                cast = buffer_dtype(mixed_precision, module, buf, fp_ids)
                 new = buf.to(device, dtype=cast)
                 if broadcast_from is not None:
                     new = new.contiguous()

@@ -9,6 +9,10 @@ A policy is one of
   (bottom-up, `nonwrapped_numel` = parameters in its subtree not yet claimed by a unit below)
   to ask whether `module` becomes a unit. `size_based_auto_wrap_policy` works as is.
 
+Modules marked by torch's `wrap()` inside `enable_wrap` (`FSDPStrategy.module_sharded_context`,
+see `mark_unit`) are units too, whatever the policy. Ignored modules (`ignored.py`) are never
+units and their parameters count for no `nonwrapped_numel`.
+
 The root is always a unit. A parameter belongs to the innermost unit that contains every
 module holding it: for a weight tied between two units, their innermost common ancestor.
 """
@@ -19,6 +23,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from torch import nn
+
+from fullshard.engine.ignored import Ignored
 
 WrapPolicy = Callable[[nn.Module, bool, int], bool]
 
@@ -50,19 +56,39 @@ def normalize_policy(policy: object) -> WrapPolicy | None:
     )
 
 
-def select_units(root: nn.Module, policy: object) -> list[nn.Module]:
+_MANUAL_UNIT = "_fullshard_manual_unit"
+
+
+def mark_unit(module: nn.Module) -> nn.Module:
+    """Make `module` a unit when its model is sharded (torch's `wrap()` under
+    `module_sharded_context`). A plain instance attribute, so it survives `deepcopy`."""
+    object.__setattr__(module, _MANUAL_UNIT, True)
+    return module
+
+
+def select_units(
+    root: nn.Module, policy: object, ignored: Ignored | None = None
+) -> list[nn.Module]:
     """The unit modules, root first, then in `named_modules()` order."""
     fn = normalize_policy(policy)
+    ignored = ignored or Ignored()
     chosen: set[int] = {id(root)}
+    chosen.update(
+        id(m) for m in root.modules()
+        if m.__dict__.get(_MANUAL_UNIT) and id(m) not in ignored.modules
+    )
     if fn is not None:
-        seen: set[int] = set()
+        seen: set[int] = set(ignored.params)
 
         def visit(module: nn.Module, is_root: bool) -> int:
             """Returns the parameter count claimed by units in this subtree (torch's rule)."""
             numel = sum(p.numel() for p in module.parameters() if id(p) not in seen)
             if not fn(module, True, numel):
                 return 0
-            wrapped = sum(visit(child, False) for child in module.children())
+            wrapped = sum(
+                visit(child, False) for child in module.children()
+                if id(child) not in ignored.modules
+            )
             if not is_root and fn(module, False, numel - wrapped):
                 chosen.add(id(module))
                 seen.update(id(p) for p in module.parameters())
@@ -91,13 +117,17 @@ class ParamOwnership:
         return module._parameters[attr]  # type: ignore[return-value]
 
 
-def assign_params(root: nn.Module, units: Iterable[nn.Module]) -> list[ParamOwnership]:
+def assign_params(
+    root: nn.Module, units: Iterable[nn.Module], ignored: Ignored | None = None
+) -> list[ParamOwnership]:
     """Find every parameter, every `(module, attribute)` holding it, and its owning unit, in
     `named_parameters()` order.
 
     A module may sit at several places in the tree (one `nn.Linear` reused by two blocks):
     every place counts, so its parameters go to the innermost unit enclosing all of them.
+    Ignored parameters belong to no unit and are left out.
     """
+    skip = ignored.params if ignored is not None else frozenset()
     unit_ids = {id(u) for u in units}
     unit_parent: dict[int, nn.Module | None] = {id(root): None}
     enclosing: dict[int, list[nn.Module]] = {}  # module -> innermost unit at each place
@@ -127,7 +157,7 @@ def assign_params(root: nn.Module, units: Iterable[nn.Module]) -> list[ParamOwne
     for mod_name, module in root.named_modules():
         places = enclosing[id(module)]
         for attr, p in module._parameters.items():
-            if p is None:
+            if p is None or id(p) in skip:
                 continue
             entry = found.get(id(p))
             if entry is None:

@@ -61,8 +61,9 @@ def test_unknown_keyword_is_named() -> None:
     with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) 'bogus_option'.*"
                                         r"bucketing_strategy"):
         FSDPStrategy(bogus_option=1)
-    with pytest.raises(TypeError, match=r"'limit_all_gathers'.*prefetch_limit"):
-        FSDPStrategy(limit_all_gathers=True)
+    # torch FSDP's keywords are accepted (tests/distributed/test_torch_fsdp_options.py).
+    FSDPStrategy(limit_all_gathers=True, use_orig_params=True, forward_prefetch=True,
+                 sync_module_states=True)
 
 
 def test_options_are_validated_and_stored() -> None:
