@@ -73,18 +73,19 @@ class Sub(nn.Module):
 
 
 class Net(nn.Module):
-    """Root (`inp`, `head`, and `extra`/`spare` that the flows may leave unused) around a
-    stack of `Sub` units. Uneven first dims (7, 5) pad differently on 2 and 3 ranks."""
+    """Root (`inp`, `head`; with `unused`, also `extra`, used only on rows marked so, and
+    `spare`, never used) around a stack of `Sub` units. Uneven first dims (7, 5) pad
+    differently on 2 and 3 ranks."""
 
     in_dim = 7
 
-    def __init__(self, blocks: int = 3, dim: int = 5, depth: int = 1) -> None:
+    def __init__(self, blocks: int = 3, dim: int = 5, depth: int = 1, unused: bool = False):
         super().__init__()
         self.in_dim = dim + 2
         self.inp = nn.Linear(self.in_dim, dim)
         self.blocks = nn.ModuleList(Sub(dim, depth) for _ in range(blocks))
-        self.extra = nn.Linear(dim, dim)  # used only where `use_extra(batch)` says so
-        self.spare = nn.Linear(dim, 3)  # never used
+        self.extra = nn.Linear(dim, dim) if unused else None
+        self.spare = nn.Linear(dim, 3) if unused else None
         self.head = nn.Linear(dim, 1)
         self.fail_backward = False
         self.twice = False
@@ -96,7 +97,7 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.inp(x))
-        if x[0, 0] > 1.0:  # data dependent: on some ranks' rows only
+        if self.extra is not None and x[0, 0] > 1.0:  # data dependent: some ranks' rows only
             h = h + self.extra(h)
         for i, block in enumerate(self.blocks):
             h = block(h)
@@ -112,6 +113,10 @@ class Net(nn.Module):
 
 def _net() -> Net:
     return Net()
+
+
+def _unused_net() -> Net:
+    return Net(unused=True)
 
 
 def _twice_net() -> Net:
@@ -324,7 +329,10 @@ def test_zero_grad_drops_an_abandoned_no_sync_window(group2, strategy, bucketing
 # == item 4: unused parameters =================================================================
 def _unused(strategy: str, bucketing: str) -> dict:
     ref, model = _wrap(
-        _net, sharding_strategy=strategy, bucketing_strategy=bucketing, auto_wrap_policy={Sub}
+        _unused_net,
+        sharding_strategy=strategy,
+        bucketing_strategy=bucketing,
+        auto_wrap_policy={Sub},
     )
     opt, ref_opt = _sgd(model.parameters()), _sgd(ref.parameters())
     gen = torch.Generator().manual_seed(3)
