@@ -18,10 +18,10 @@ end       a callback queued on the autograd engine finishes all reductions and r
 The loop is the user's (design §2.7); the runtime keeps no state that a step that went wrong
 could leave behind:
 - a backward that raised never runs its end-of-backward callback. The callback records the
-  autograd task it was queued for (`callback_task`); the next root forward, `zero_grad` or a
-  backward of another task finds it stale and discards the step (`_discard_step`): waits for
-  and drops its pending reductions (all ranks issued them), drops partial and no_sync
-  gradients, releases every unit.
+  autograd task it was queued for (`callback_task`); the next root forward or `zero_grad`
+  finds it still set and discards the step (`_discard_step`): waits for and drops its
+  pending reductions (all ranks issued them), drops partial and no_sync gradients, releases
+  every unit. A backward of another task queues its own callback.
 - a forward that raised (post-hooks run with `always_call`) releases every unit and waits
   for the prefetches in flight (`_forward_failed`).
 - `requires_grad` is read at every root forward (Unit.refresh_requires_grad).
@@ -53,6 +53,7 @@ used by backward and is released by its `GatheredParams.backward` as always.
 from __future__ import annotations
 
 import collections
+import functools
 import sys
 from typing import Any, NamedTuple
 
@@ -123,7 +124,9 @@ class Runtime:
         self._grad_mode_task = -1  # task for which `_returns_grads` was decided
         self._returns_grads = False  # this task is torch.autograd.grad: return, don't write
         self._saved_hooks: Any = None
-        self._forward_exc: BaseException | None = None  # exception being handled at root pre
+        # id() of the exception being handled when the root forward began (id(None) if
+        # none): an id, not a reference, so an OOM-retry loop's exception is not kept alive.
+        self._forward_exc = id(None)
         # data_ptr of a gathered bucket buffer -> (unit, bucket); only for buckets whose
         # unsharded buffer is not the shard itself (shard-axis size > 1).
         self._storage_owner: dict[int, tuple[Unit, Bucket]] = {}
@@ -215,7 +218,7 @@ class Runtime:
             hooks, self._saved_hooks = self._saved_hooks, None
             hooks.__exit__(None, None, None)
         unit.uninstall()
-        if unit is self.root and not _in_backward() and sys.exc_info()[1] is not self._forward_exc:
+        if unit is self.root and not _in_backward() and id(sys.exc_info()[1]) != self._forward_exc:
             # `always_call`: the forward raised (an exception other than the one being
             # handled when it started, e.g. by an OOM-retry loop's `except` block).
             self._forward_failed()
@@ -226,14 +229,14 @@ class Runtime:
     def _forward_failed(self) -> None:
         """Release every unit (waiting for prefetches in flight) after a forward raised: no
         backward will come for them. The partial order is not kept for prefetching."""
-        self._forward_exc = None
+        self._forward_exc = id(None)
         for u in self.units:
             u.uninstall()
             self._release(u)
         self.forward_order = []
 
     def _begin_forward(self) -> None:
-        self._forward_exc = sys.exc_info()[1]
+        self._forward_exc = id(sys.exc_info()[1])
         if self.callback_task is not None:
             self._discard_step()  # the last backward raised
         abandoned = False
@@ -314,11 +317,11 @@ class Runtime:
         task = torch._C._current_graph_task_id()
         if self.callback_task == task:
             return
-        if self.callback_task is not None:
-            # A backward that raised (its callback never ran). Keep what this backward's own
-            # forward gathered; drop the failed step's reductions and gradients.
-            self._discard_step(release=False)
-        Variable._execution_engine.queue_callback(self._finalize_backward)
+        # A task we have not seen: this step's backward, or one nested in it (reentrant
+        # checkpointing), which gets its own callback. A callback left by a backward that
+        # raised cannot be told from an outer task still running here; it is discarded
+        # outside backward (next forward, zero_grad).
+        Variable._execution_engine.queue_callback(functools.partial(self._finalize_backward, task))
         self.callback_task = task
         # Expected order of backward gathers: last step's, else the reverse of this forward.
         order = self.backward_order_prev or list(reversed(self.forward_order))
@@ -402,7 +405,7 @@ class Runtime:
                 u.nodes = u.nodes_done + 1  # the next node_done is the last
                 self.post_backward(u, u.routing, tuple([None] * len(u.trainable_params)))
 
-    def _finalize_backward(self) -> None:
+    def _finalize_backward(self, task: int) -> None:
         try:
             self._flush_partial()
             while self.pending:
@@ -413,7 +416,8 @@ class Runtime:
             if self.backward_order:
                 self.backward_order_prev = self.backward_order
         finally:
-            self.callback_task = None
+            if self.callback_task == task:
+                self.callback_task = None
 
     # -- between steps ----------------------------------------------------------------------
     def _discard_step(self, *, release: bool = True) -> None:

@@ -47,7 +47,6 @@ class FullyShardedModule:
         finally:
             runtime.sync_gradients = previous
 
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """`nn.Module.zero_grad`, which also drops gradients the engine holds outside `.grad`:
         a `no_sync` window's accumulation (releasing the units it kept gathered) and the
