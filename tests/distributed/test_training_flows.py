@@ -357,9 +357,13 @@ def test_a_parameter_no_rank_used_has_no_grad(group2, strategy, bucketing):
     assert has_grad[0][1]["head.weight"]
 
 
-def test_unused_params_three_ranks(group3):
-    has_grad = group3.run(_unused, "NO_SHARD", "BLOCK")
-    assert not has_grad[2][0]["spare.weight"] and has_grad[2][1]["extra.bias"]
+@pytest.mark.parametrize(("strategy", "bucketing"), [("ZERO3", "LAYER"), ("NO_SHARD", "BLOCK")])
+def test_unused_params_three_ranks(group3, strategy, bucketing):
+    has_grad = group3.run(_unused, strategy, bucketing)
+    for step in range(3):
+        assert has_grad[0][step] == has_grad[1][step] == has_grad[2][step]
+    assert not has_grad[2][0]["spare.weight"] and not has_grad[2][0]["extra.weight"]
+    assert has_grad[2][1]["extra.bias"] and not has_grad[2][1]["spare.bias"]
 
 
 # == item 5: torch.autograd.grad ===============================================================
