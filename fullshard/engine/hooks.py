@@ -64,7 +64,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from fullshard.config import ShardingPlan
 from fullshard.distributed.mesh import ShardMesh
 from fullshard.engine.bucket import Bucket, PendingReduction
-from fullshard.engine.unit import BackwardDone, Unit
+from fullshard.engine.unit import BackwardDone, Unit, UnitState
 
 
 class _SavedParamView(NamedTuple):
@@ -225,6 +225,10 @@ class Runtime:
             return
         if self._release_after_forward(unit):
             self._release(unit)
+            if unit is self.root:  # and any unit prefetched that this forward did not run
+                for u in self.units:
+                    if u.is_gathered or u.state is UnitState.GATHERING:
+                        self._release(u)
 
     def _forward_failed(self) -> None:
         """Release every unit (waiting for prefetches in flight) after a forward raised: no

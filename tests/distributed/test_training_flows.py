@@ -89,6 +89,7 @@ class Net(nn.Module):
         self.head = nn.Linear(dim, 1)
         self.fail_backward = False
         self.twice = False
+        self.skip_last = False
 
     def make_batch(self, n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.randn(n, self.in_dim, generator=generator)
@@ -100,6 +101,8 @@ class Net(nn.Module):
         if self.extra is not None and x[0, 0] > 1.0:  # data dependent: some ranks' rows only
             h = h + self.extra(h)
         for i, block in enumerate(self.blocks):
+            if self.skip_last and i == len(self.blocks) - 1:
+                continue  # e.g. an early exit, the same on every rank
             h = block(h)
             if self.twice and i == 0:
                 h = block(h)
@@ -455,6 +458,28 @@ def _failed_forward(strategy: str) -> None:
             assert _unsharded_now() == (0, 0), "a failed forward left units gathered"
         _step(model, ref, x, y, step)
         _opt_step(model, ref, opt, ref_opt, step)
+
+
+def _unused_prefetch() -> None:
+    ref, model = _wrap(_net, sharding_strategy="ZERO3", auto_wrap_policy={Sub}, prefetch_limit=2)
+    gen = torch.Generator().manual_seed(9)
+    x, y = _batch(ref, gen)
+    _step(model, ref, x, y, 0)  # records the order: root, blocks 0, 1, 2
+    model.skip_last = ref.skip_last = True
+    with torch.no_grad():  # evaluation: blocks.2 is prefetched but never runs
+        model.loss(_rows(x, 2), _rows(y, 2))
+    assert _unsharded_now() == (0, 0), "an unused prefetch stayed gathered"
+    with torch.no_grad():
+        for p in (*model.parameters(), *ref.parameters()):
+            p.mul_(0.5)
+    model.skip_last = ref.skip_last = False
+    for m in (model, ref):
+        m.zero_grad()
+    _step(model, ref, x, y, 1)
+
+
+def test_unused_prefetch_is_released_and_never_stale(group2):
+    group2.run(_unused_prefetch)
 
 
 @pytest.mark.parametrize("strategy", ["ZERO2", "ZERO3"])
