@@ -85,7 +85,17 @@ class Bucket:
         self._gather_handle: CommHandle | None = None
         self._segmented = False  # the gather output is already parameter-major
         self.unsharded: torch.Tensor | None = None
+        # `shard_flat._version` when the current gather started: any in-place write to the
+        # shards since (load_state_dict, an edit under no_grad, optimizer.step) bumps it, and
+        # the gathered copy is then stale (`is_stale`).
+        self._gathered_version = -1
         self.accumulated_grad: torch.Tensor | None = None  # no_sync, rank-major
+        # no_sync: the `.grad` tensors we saw (or put in place, `_placeholder`) after the last
+        # accumulation, with their version counters. `zero_grad` -- the optimizer's or the
+        # model's, set_to_none either way -- replaces or zeroes them, which tells us the
+        # window was abandoned (see `accumulation_abandoned`).
+        self._grad_marks: list[tuple[torch.nn.Parameter, torch.Tensor, int]] = []
+        self._placeholder: torch.Tensor | None = None
 
     # -- layout -----------------------------------------------------------------------------
     def padded_shard(self, p: ShardedParam) -> torch.Tensor:
@@ -129,9 +139,16 @@ class Bucket:
         Without offload or mixed precision this is `shard_flat` itself (no copy)."""
         return self.shard_flat.to(self.device, self.compute_dtype, non_blocking=True)
 
+    def is_stale(self) -> bool:
+        """True if the shards were written since this bucket's gather started."""
+        return (
+            self.unsharded is not None or self._gather_handle is not None
+        ) and self._gathered_version != self.shard_flat._version
+
     def start_gather(self, *, async_op: bool) -> None:
         if self.unsharded is not None or self._gather_handle is not None:
             return
+        self._gathered_version = self.shard_flat._version
         send = self._gather_input()
         if send is not self.shard_flat:
             track(send, "param")
@@ -209,23 +226,77 @@ class Bucket:
         torch._chunk_cat(rows, dim=0, num_chunks=s, out=out.view(s, self.numel))
         return out
 
+    def unused_grad(self, p: ShardedParam) -> torch.Tensor:
+        """What a rank that did not use `p` contributes to the reduction: negative zeros.
+
+        IEEE sums keep a negative zero only when every term is one (-0 + -0 = -0, x + -0 = x
+        for every other x, +0 included), so after the reduction a parameter whose local rows
+        are all -0 received no gradient on any rank -- no extra collective needed to agree on
+        which parameters were unused (`PendingReduction.finish` leaves their `.grad` None).
+        """
+        return torch.full(p.layout.shape, -0.0, dtype=self.reduce_dtype, device=self.device)
+
     def accumulate_grads(self, grads: Sequence[torch.Tensor]) -> None:
         """no_sync: add this backward's unsharded gradients to the local accumulator."""
+        if self.accumulated_grad is not None and self.accumulation_abandoned():
+            self.drop_accumulated_grad()
         packed = self._rank_major_grads(grads)
         if self.accumulated_grad is None:
             self.accumulated_grad = packed
         else:
             self.accumulated_grad.add_(packed)
+        self._mark_grads()
 
-    def start_reduce(self, grads: Sequence[torch.Tensor]) -> PendingReduction:
-        """Issue the reduction of these unsharded gradients (plus any no_sync accumulation)."""
+    def _mark_grads(self) -> None:
+        """Remember the `.grad` of every trainable parameter (a zero placeholder where there
+        is none), so that a `zero_grad` during the window can be seen (`accumulation_abandoned`).
+        The placeholders are removed when the window's reduction writes the real gradients."""
+        marks = []
+        for p in self.params:
+            param = p.param
+            if not param.requires_grad:
+                continue
+            if param.grad is None:
+                if self._placeholder is None:
+                    self._placeholder = torch.zeros_like(self.shard_flat)
+                param.grad = self._local(self._placeholder, p)
+            marks.append((param, param.grad, param.grad._version))
+        self._grad_marks = marks
+
+    def accumulation_abandoned(self) -> bool:
+        """True if a `.grad` we marked was replaced or zeroed since: `zero_grad` ran."""
+        return any(param.grad is not g or g._version != v for param, g, v in self._grad_marks)
+
+    def _clear_placeholders(self) -> None:
+        ph = self._placeholder
+        if ph is not None:
+            base = ph.untyped_storage().data_ptr()
+            for p in self.params:
+                g = p.param.grad
+                if g is not None and g.untyped_storage().data_ptr() == base:
+                    p.param.grad = None
+        self._placeholder = None
+        self._grad_marks = []
+
+    def start_reduce(
+        self, grads: Sequence[torch.Tensor], *, unused: Sequence[bool], write: Sequence[bool]
+    ) -> PendingReduction:
+        """Issue the reduction of these unsharded gradients (plus any no_sync accumulation).
+
+        `unused[i]`: this rank's backward gave parameter i no gradient (its entry in `grads`
+        is `unused_grad`); `write[i]`: parameter i requires grad now, so its `.grad` is set."""
+        if self.accumulated_grad is not None and self.accumulation_abandoned():
+            self.drop_accumulated_grad()
+        # With a no_sync accumulation, `unused` (this micro-batch) only selects which
+        # parameters get the all -0 check: an earlier micro-batch's use makes it fail.
+        self._clear_placeholders()
         if self.accumulated_grad is None and comm.gathers_segments(self.mesh.shard):
-            return PendingReduction(self, unpacked=self._flat_grads(grads))
+            return PendingReduction(self, unused, write, unpacked=self._flat_grads(grads))
         packed = self._rank_major_grads(grads)
         if self.accumulated_grad is not None:
             packed.add_(self.accumulated_grad)
             self.accumulated_grad = None
-        return PendingReduction(self, packed=packed)
+        return PendingReduction(self, unused, write, packed=packed)
 
     def _flat_grads(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The unsharded gradients as flat tensors in the reduce dtype, for a reduce-scatter
@@ -239,7 +310,13 @@ class Bucket:
         return flats
 
     def drop_accumulated_grad(self) -> None:
+        """Forget the no_sync accumulation (zero_grad, a failed backward) and its placeholders."""
         self.accumulated_grad = None
+        self._clear_placeholders()
+
+    def _local(self, flat: torch.Tensor, p: ShardedParam) -> torch.Tensor:
+        n = p.layout.local_rows * p.layout.row_numel
+        return flat[p.offset : p.offset + n].view(p.layout.local_shape)
 
 
 class PendingReduction:
@@ -258,11 +335,15 @@ class PendingReduction:
     def __init__(
         self,
         bucket: Bucket,
+        unused: Sequence[bool],
+        write: Sequence[bool],
         *,
         packed: torch.Tensor | None = None,
         unpacked: list[torch.Tensor] | None = None,
     ) -> None:
         self.bucket = bucket
+        self.unused = unused
+        self.write = write
         mesh = bucket.mesh
         world = mesh.data_parallel_size
         self._pre = math.sqrt(world) if bucket.reduce_dtype == torch.float16 and world > 1 else 1.0
@@ -299,9 +380,16 @@ class PendingReduction:
             return False
         return True
 
-    def finish(self) -> None:
-        """Wait until done, average over the data-parallel ranks and write the `.grad`s
-        (in the shards' dtype, on the shards' device: host memory under CPU offload)."""
+    def discard(self) -> None:
+        """Wait for the stage in flight (every rank issued it) and drop the result: the
+        reduction of a backward that raised."""
+        self._handle.wait()
+
+    def finish(self, *, to_grad: bool = True) -> list[torch.Tensor | None]:
+        """Wait until done and average over the data-parallel ranks. Returns each parameter's
+        reduced local rows (in the shards' dtype, on the shards' device: host memory under
+        CPU offload), None for a parameter that does not require grad or that no rank used;
+        with `to_grad` they are also written (or added) to the parameters' `.grad`."""
         while not self.advance():
             pass
         bucket = self.bucket
@@ -310,10 +398,15 @@ class PendingReduction:
         if post != 1.0:
             out.div_(post)
         out = out.to(bucket.shard_flat.device, bucket.grad_dtype)
+        result: list[torch.Tensor | None] = []
         with torch.no_grad():
-            for p in bucket.params:
-                n = p.layout.local_rows * p.layout.row_numel
-                grad = out[p.offset : p.offset + n].view(p.layout.local_shape)
+            for p, write, unused in zip(bucket.params, self.write, self.unused):
+                grad = bucket._local(out, p) if write else None
+                if grad is not None and unused and _all_negative_zero(grad):
+                    grad = None  # no rank used it (see Bucket.unused_grad)
+                result.append(grad)
+                if grad is None or not to_grad:
+                    continue
                 param = p.param
                 if param.grad is None and grad.dtype != param.dtype:
                     # keep_low_precision_grads: `.grad = ` refuses another dtype; torch
@@ -324,3 +417,9 @@ class PendingReduction:
                     param.grad = grad
                 else:
                     param.grad.add_(grad)
+        return result
+
+
+def _all_negative_zero(t: torch.Tensor) -> bool:
+    """Every element is -0.0 (True for an empty tensor: a rank that owns no rows)."""
+    return bool((t == 0).logical_and_(t.signbit()).all())

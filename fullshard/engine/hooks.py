@@ -14,6 +14,24 @@ backward  `GatheredParams.backward` (once per unit, when its gradients are compl
 end       a callback queued on the autograd engine finishes all reductions and releases every
           unit, so nothing unsharded survives the step.
 
+[Note: what a training loop may do between steps]
+The loop is the user's (design §2.7); the runtime keeps no state that a step that went wrong
+could leave behind:
+- a backward that raised never runs its end-of-backward callback. The callback records the
+  autograd task it was queued for (`callback_task`); the next root forward or `zero_grad`
+  finds it still set and discards the step (`_discard_step`): waits for and drops its
+  pending reductions (all ranks issued them), drops partial and no_sync gradients, releases
+  every unit. A backward of another task queues its own callback.
+- a forward that raised (post-hooks run with `always_call`) releases every unit and waits
+  for the prefetches in flight (`_forward_failed`).
+- `requires_grad` is read at every root forward (Unit.refresh_requires_grad).
+- `zero_grad` drops a no_sync window: the model's directly (module.py), the optimizer's is
+  seen through the `.grad` tensors the window marked (Bucket.accumulation_abandoned).
+- any write to the shards bumps their version counter; a gathered copy older than the shards
+  is dropped and gathered again before it is used (`_drop_stale`).
+- `torch.autograd.grad(loss, params)`: the reductions run synchronously and their local-shard
+  results are returned to autograd instead of being written to `.grad`.
+
 [Note: ZeRO-3 and saved tensors]
 Autograd saves the unsharded parameters its backward formulas need (a Linear saves its
 weight). If those references stayed, ZeRO-3 would quietly hold every unit until backward, i.e.
@@ -35,16 +53,18 @@ used by backward and is released by its `GatheredParams.backward` as always.
 from __future__ import annotations
 
 import collections
+import functools
+import sys
 from typing import Any, NamedTuple
 
 import torch
 from torch.autograd import Variable
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fullshard.config import ShardingPlan
 from fullshard.distributed.mesh import ShardMesh
 from fullshard.engine.bucket import Bucket, PendingReduction
-from fullshard.engine.unit import Unit
+from fullshard.engine.unit import BackwardDone, Unit, UnitState
 
 
 class _SavedParamView(NamedTuple):
@@ -104,11 +124,22 @@ class Runtime:
         self._backward_plan: dict[Unit, int] = {}
         self._backward_plan_list: list[Unit] = []
         self.pending: collections.deque[tuple[Unit, PendingReduction]] = collections.deque()
-        self.callback_queued = False
+        # Autograd task whose end-of-backward callback is queued and has not run yet; a
+        # value that outlives its task marks a backward that raised (see the Note above).
+        self.callback_task: int | None = None
+        self._grad_mode_task = -1  # task for which `_returns_grads` was decided
+        self._returns_grads = False  # this task is torch.autograd.grad: return, don't write
         self._saved_hooks: Any = None
+        # id() of the exception being handled when the root forward began (id(None) if
+        # none): an id, not a reference, so an OOM-retry loop's exception is not kept alive.
+        self._forward_exc = id(None)
         # data_ptr of a gathered bucket buffer -> (unit, bucket); only for buckets whose
         # unsharded buffer is not the shard itself (shard-axis size > 1).
         self._storage_owner: dict[int, tuple[Unit, Bucket]] = {}
+
+    @property
+    def callback_queued(self) -> bool:
+        return self.callback_task is not None
 
     # -- gather / release bookkeeping -------------------------------------------------------
     def _wait(self, unit: Unit) -> None:
@@ -125,11 +156,18 @@ class Runtime:
                     self._storage_owner.pop(b.unsharded.untyped_storage().data_ptr(), None)
         unit.release()
 
+    def _drop_stale(self, unit: Unit) -> None:
+        """Release `unit` if its shards were written since it was gathered (a load, an edit
+        under no_grad): its gathered copy holds the old values. One int compare per bucket."""
+        if any(b.is_stale() for b in unit.buckets):
+            self._release(unit)
+
     # -- forward ----------------------------------------------------------------------------
     def pre_forward(self, unit: Unit, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
         recomputing = _in_backward()
         if unit is self.root and not recomputing:
             self._begin_forward()
+        self._drop_stale(unit)
         if not unit.is_gathered:
             unit.start_gather(async_op=True)
         if not recomputing:
@@ -143,8 +181,31 @@ class Runtime:
             self._saved_hooks.__enter__()
         dtype = self.input_dtypes.get(unit)
         if dtype is not None:
-            return _cast_floating((args, kwargs), dtype)
+            args, kwargs = _cast_floating((args, kwargs), dtype)
+        if (
+            with_grad
+            and not recomputing
+            and unit.buckets
+            and not unit.trainable_params
+            and self._wants_saved_tensor_hooks(with_grad, recomputing)
+        ):
+            return self._mark_frozen_inputs(unit, args, kwargs)
+        if dtype is not None:
+            return args, kwargs
         return None
+
+    def _mark_frozen_inputs(self, unit: Unit, args: Any, kwargs: Any) -> Any:
+        """ZeRO-3, a unit with nothing trainable: pass its grad-requiring inputs through
+        `BackwardDone`, so the unit re-gathered for its backward is released right after."""
+        flat, spec = tree_flatten((args, kwargs))
+        idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not idx:
+            return args, kwargs
+        outs = BackwardDone.apply(self, unit, *(flat[i] for i in idx))
+        for i, o in zip(idx, outs):
+            flat[i] = o
+        unit.node_created(self.pass_id)
+        return tree_unflatten(flat, spec)
 
     def gather_for_recompute(self, unit: Unit) -> None:
         """Activation checkpointing: gather and install `unit` for a recomputation that runs
@@ -157,20 +218,47 @@ class Runtime:
         # forward saved (checkpoint checks); the recomputed graph itself is never run backward.
         for bucket in unit.buckets:
             for p, view in zip(bucket.params, bucket.unsharded_views()):
-                p.install(view.detach().requires_grad_(bucket.requires_grad))
+                p.install(view.detach().requires_grad_(p.param.requires_grad))
 
     def post_forward(self, unit: Unit, module: torch.nn.Module, args: Any, output: Any) -> None:
         if unit is self.root and self._saved_hooks is not None:
             hooks, self._saved_hooks = self._saved_hooks, None
             hooks.__exit__(None, None, None)
         unit.uninstall()
+        if unit is self.root and not _in_backward() and id(sys.exc_info()[1]) != self._forward_exc:
+            # `always_call`: the forward raised (an exception other than the one being
+            # handled when it started, e.g. by an OOM-retry loop's `except` block).
+            self._forward_failed()
+            return
         if self._release_after_forward(unit):
             self._release(unit)
+            if unit is self.root:  # and any unit prefetched that this forward did not run
+                for u in self.units:
+                    if u.is_gathered or u.state is UnitState.GATHERING:
+                        self._release(u)
+
+    def _forward_failed(self) -> None:
+        """Release every unit (waiting for prefetches in flight) after a forward raised: no
+        backward will come for them. The partial order is not kept for prefetching."""
+        self._forward_exc = id(None)
+        for u in self.units:
+            u.uninstall()
+            self._release(u)
+        self.forward_order = []
 
     def _begin_forward(self) -> None:
+        self._forward_exc = id(sys.exc_info()[1])
+        if self.callback_task is not None:
+            self._discard_step()  # the last backward raised
+        abandoned = False
         for unit in self.units:  # a few pointer comparisons per parameter and step
             for bucket in unit.buckets:
                 bucket.check_intact()
+                if bucket.accumulated_grad is not None and bucket.accumulation_abandoned():
+                    abandoned = True
+            unit.refresh_requires_grad()
+        if abandoned:  # zero_grad during a no_sync window: drop it all
+            self._drop_gradients()
         self.pass_id += 1
         if self.forward_order:
             self.forward_order_prev = self.forward_order
@@ -199,6 +287,7 @@ class Runtime:
         if self.prefetch_limit <= 0 or pos >= len(prev) or prev[pos] is not unit:
             return
         for nxt in prev[pos + 1 : pos + 1 + self.prefetch_limit]:
+            self._drop_stale(nxt)
             if not nxt.is_gathered:
                 nxt.start_gather(async_op=True)
 
@@ -235,10 +324,17 @@ class Runtime:
 
     # -- backward ---------------------------------------------------------------------------
     def _ensure_backward_callback(self) -> None:
-        if self.callback_queued or not _in_backward():
+        if not _in_backward():
             return
-        Variable._execution_engine.queue_callback(self._finalize_backward)
-        self.callback_queued = True
+        task = torch._C._current_graph_task_id()
+        if self.callback_task == task:
+            return
+        # A task we have not seen: this step's backward, or one nested in it (reentrant
+        # checkpointing), which gets its own callback. A callback left by a backward that
+        # raised cannot be told from an outer task still running here; it is discarded
+        # outside backward (next forward, zero_grad).
+        Variable._execution_engine.queue_callback(functools.partial(self._finalize_backward, task))
+        self.callback_task = task
         # Expected order of backward gathers: last step's, else the reverse of this forward.
         order = self.backward_order_prev or list(reversed(self.forward_order))
         plan: dict[Unit, int] = {}
@@ -247,30 +343,83 @@ class Runtime:
         self._backward_plan, self._backward_plan_list = plan, order
         self.backward_order = []
 
-    def post_backward(self, unit: Unit, grads: tuple[torch.Tensor | None, ...]) -> None:
-        """Called by `GatheredParams.backward` with the unit's unsharded gradients."""
+    def _task_returns_grads(self, unit: Unit) -> bool:
+        """Is this backward `torch.autograd.grad` (gradients returned, `.grad` untouched)?
+
+        Autograd exposes no flag for it; `_will_engine_execute_node` on a leaf's
+        AccumulateGrad node answers during `.backward()` and raises during autograd.grad."""
+        task = torch._C._current_graph_task_id()
+        if self._grad_mode_task != task:
+            self._grad_mode_task = task
+            try:
+                torch._C._will_engine_execute_node(unit._acc_node)
+                self._returns_grads = False
+            except RuntimeError:
+                self._returns_grads = True
+        return self._returns_grads
+
+    def post_backward(
+        self,
+        unit: Unit,
+        routing: list[tuple[Bucket, tuple[bool, ...]]],
+        grads: tuple[torch.Tensor | None, ...],
+    ) -> list[torch.Tensor | None] | None:
+        """Called by `GatheredParams.backward` with the unit's unsharded gradients (one per
+        parameter routed in `routing`). Returns the local-shard gradients to hand to autograd
+        under `torch.autograd.grad`, else None (the `.grad`s are written here)."""
         self._ensure_backward_callback()
+        returns = self._task_returns_grads(unit)
+        if returns and not self.sync_gradients:
+            raise RuntimeError(
+                "torch.autograd.grad on a fullshard model inside no_sync() is not supported: "
+                "the gradients are only reduced on the synced backward. Call it outside "
+                "no_sync(), or use loss.backward() to accumulate."
+            )
+        if not unit.node_done(torch._C._current_graph_task_id()):
+            unit.add_partial_grads(grads)  # called again later in this pass: reduce once
+            return None
+        all_grads = unit.take_grads(grads)
+        result: list[torch.Tensor | None] = []
         start = 0
-        for bucket in unit.trainable_buckets:
-            n = len(bucket.params)
-            chunk = [
-                g
-                if g is not None
-                else torch.zeros(p.layout.shape, dtype=bucket.dtype, device=bucket.device)
-                for g, p in zip(grads[start : start + n], bucket.params)
-            ]
-            start += n
+        for bucket, mask in routing:
+            chunk, unused = [], []
+            for p, routed in zip(bucket.params, mask):
+                g = all_grads[start] if routed else None
+                start += routed
+                unused.append(g is None)
+                chunk.append(g if g is not None else bucket.unused_grad(p))
             if not self.sync_gradients:
                 bucket.accumulate_grads(chunk)
                 continue
-            self.pending.append((unit, bucket.start_reduce(chunk)))
+            pending = bucket.start_reduce(chunk, unused=unused, write=mask)
+            if returns:
+                reduced = pending.finish(to_grad=False)
+                result += [g for g, routed in zip(reduced, mask) if routed]
+                continue
+            self.pending.append((unit, pending))
             while len({u for u, _ in self.pending}) > self.max_pending_reductions:
                 self.pending.popleft()[1].finish()
         if self.sync_gradients:
             self._release(unit)
+        return result if returns else None
 
-    def _finalize_backward(self) -> None:
+    def frozen_backward_done(self, unit: Unit) -> None:
+        """`BackwardDone.backward`: gradients have flowed through a unit with nothing
+        trainable; release it once its last node of the pass has run (ZeRO-3)."""
+        if unit.node_done(torch._C._current_graph_task_id()) and self.sync_gradients:
+            self._release(unit)
+
+    def _flush_partial(self) -> None:
+        """Reduce the summed gradients of units called several times whose other nodes never
+        ran (an output that did not reach the loss): every rank ran the same nodes."""
+        for u in self.units:
+            if u.partial_grads is not None:
+                u.nodes = u.nodes_done + 1  # the next node_done is the last
+                self.post_backward(u, u.routing, tuple([None] * len(u.trainable_params)))
+
+    def _finalize_backward(self, task: int) -> None:
         try:
+            self._flush_partial()
             while self.pending:
                 self.pending.popleft()[1].finish()
             if self.sync_gradients:
@@ -279,13 +428,52 @@ class Runtime:
             if self.backward_order:
                 self.backward_order_prev = self.backward_order
         finally:
-            self.callback_queued = False
+            if self.callback_task == task:
+                self.callback_task = None
+
+    # -- between steps ----------------------------------------------------------------------
+    def _discard_step(self, *, release: bool = True) -> None:
+        """Forget a backward that raised: drop (after waiting for) its pending reductions,
+        partial and no_sync gradients and, with `release`, every gathered unit."""
+        self.callback_task = None
+        while self.pending:
+            self.pending.popleft()[1].discard()
+        self._drop_gradients(release=release)
+
+    def _drop_gradients(self, *, release: bool = True) -> None:
+        for u in self.units:
+            u.partial_grads = None
+            for b in u.buckets:
+                b.drop_accumulated_grad()
+            if release:
+                self._release(u)
+
+    def zero_grad(self) -> None:
+        """`model.zero_grad()`: drop what a failed backward or an abandoned no_sync window
+        left (gradients not yet in `.grad`) and release the units they kept gathered."""
+        if _in_backward():
+            return
+        if self.callback_task is not None:
+            self._discard_step()
+        else:
+            self._drop_gradients()
+
+    def invalidate(self) -> None:
+        """The shards were overwritten (a load): release every gathered copy now."""
+        if _in_backward():
+            return
+        for u in self.units:
+            u.uninstall()
+            self._release(u)
 
     def release_all(self) -> None:
         """Drop every unsharded buffer and any no_sync accumulation (e.g. before a load)."""
+        if self.callback_task is not None and not _in_backward():
+            self._discard_step()
         while self.pending:
             self.pending.popleft()[1].finish()
         for u in self.units:
             self._release(u)
+            u.partial_grads = None
             for b in u.buckets:
                 b.drop_accumulated_grad()

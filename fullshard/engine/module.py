@@ -1,4 +1,4 @@
-"""The methods a wrapped model gains: `no_sync()` and access to its runtime.
+"""The methods a wrapped model gains: `no_sync()`, `zero_grad()` and access to its runtime.
 
 `fsdp()` converts the model in place and changes its class to a subclass that mixes in
 `FullyShardedModule` (as torch FSDP2 does), so `isinstance(model, FullyShardedModule)` tells
@@ -46,6 +46,13 @@ class FullyShardedModule:
             yield
         finally:
             runtime.sync_gradients = previous
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """`nn.Module.zero_grad`, which also drops gradients the engine holds outside `.grad`:
+        a `no_sync` window's accumulation (releasing the units it kept gathered) and the
+        reductions of a backward that raised."""
+        self._fullshard_runtime.zero_grad()
+        super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
 
 
 def mark_wrapped(module: nn.Module, runtime: Runtime) -> None:

@@ -126,6 +126,9 @@ def shard_module(
         )
     install_full_precision_casts(model, mixed_precision)
     apply_activation_checkpointing(model, activation_checkpointing_policy, runtime)
+    # A load writes the shards in place: drop gathered copies now (a stale copy would also be
+    # caught by its version counter at the next forward, but would hold memory until then).
+    model.register_load_state_dict_post_hook(lambda module, keys: runtime.invalidate())
     mark_wrapped(model, runtime)
     return runtime
 

@@ -12,6 +12,19 @@ once, with the unsharded gradients of the whole unit, when the unit's backward i
 runtime (hooks.py) reduces them and writes the shards' `.grad` itself, asynchronously, so the
 Function returns no gradient to autograd. Frozen parameters are installed as plain views.
 
+Trainable or frozen is read from `param.requires_grad` at every step (`refresh_requires_grad`,
+one tuple comparison per unit when nothing changed), never fixed at wrap: the buckets keep
+their layout (wrap time groups frozen and trainable parameters apart), and what is routed
+through `GatheredParams`, reduced and written to `.grad` follows the flags of the step. A
+bucket with any trainable parameter is reduced whole (zeros travel for its frozen ones, whose
+`.grad` is left alone); a bucket with none is not reduced.
+
+A unit's backward is done when every autograd node it created in the forward pass has run:
+one `GatheredParams` per (re)gathered call, or, for a unit with nothing trainable whose inputs
+require grad, one `BackwardDone` on its inputs (so a frozen unit that ZeRO-3 re-gathers in
+backward is released as soon as gradients have flowed through it). `node_done` counts them;
+the gradients of a unit called several times are summed until the last node and reduced once.
+
 One node per unit, not per bucket: autograd runs ready nodes latest-created first, and all of
 a unit's nodes would be created together at its pre-forward, so a bucket's node could not run
 before the unit's backward is done anyway. (The root's node is created first of all and so
@@ -42,18 +55,41 @@ class UnitState(enum.Enum):
 
 
 class GatheredParams(torch.autograd.Function):
-    """Identity on the gathered views; its backward hands the unit's gradients to the runtime."""
+    """Identity on the gathered views; its backward hands the unit's gradients to the runtime.
+
+    It returns no gradient to autograd (the runtime writes `.grad` itself, asynchronously),
+    except under `torch.autograd.grad`, where it returns the reduced local-shard gradients."""
 
     @staticmethod
     def forward(ctx: Any, runtime: Runtime, unit: Unit, *shards: torch.Tensor) -> tuple:
         ctx.runtime = runtime
         ctx.unit = unit
+        ctx.routing = unit.routing  # this step's trainable flags (replaced, never mutated)
+        ctx.set_materialize_grads(False)  # None, not zeros, for a parameter that got no grad
         return tuple(unit.trainable_views())
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
-        ctx.runtime.post_backward(ctx.unit, grads)
-        return (None, None, *([None] * len(grads)))
+        shard_grads = ctx.runtime.post_backward(ctx.unit, ctx.routing, grads)
+        if shard_grads is None:
+            shard_grads = [None] * len(grads)
+        return (None, None, *shard_grads)
+
+
+class BackwardDone(torch.autograd.Function):
+    """Identity on a frozen unit's inputs: its backward runs once gradients have flowed
+    through the unit, which is then done with its (re-gathered) parameters."""
+
+    @staticmethod
+    def forward(ctx: Any, runtime: Runtime, unit: Unit, *inputs: torch.Tensor) -> tuple:
+        ctx.runtime = runtime
+        ctx.unit = unit
+        return tuple(x.view_as(x) for x in inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        ctx.runtime.frozen_backward_done(ctx.unit)
+        return (None, None, *grads)
 
 
 class Unit:
@@ -61,17 +97,26 @@ class Unit:
         self.module = module
         self.name = name
         self.buckets = list(buckets)
-        self.trainable_buckets = [b for b in self.buckets if b.requires_grad]
-        self.trainable_params: list[ShardedParam] = [
-            p for b in self.trainable_buckets for p in b.params
-        ]
         self.params: list[ShardedParam] = [p for b in self.buckets for p in b.params]
+        self._flags: tuple[bool, ...] = ()
+        # Set by refresh_requires_grad from the parameters' current flags:
+        self.trainable_params: list[ShardedParam] = []
+        self.routing: list[tuple[Bucket, tuple[bool, ...]]] = []  # buckets with a trainable
+        self._acc_node: Any = None  # a trainable shard's AccumulateGrad (autograd.grad probe)
+        self.refresh_requires_grad()
         self.index = -1  # position in the runtime's unit list
         # Outputs of this forward pass's GatheredParams, reused if the unit runs again in the
         # same pass while still gathered (ZeRO-2), so autograd sees one node and we reduce once.
         self.cached_views: list[torch.Tensor] | None = None
         self.cached_pass = -1
         self._install_order: list[ShardedParam] = []
+        # Autograd nodes created in pass `nodes_pass` (see the module docstring), how many of
+        # them ran in backward task `done_task`, and the gradients summed so far.
+        self.nodes = 0
+        self.nodes_pass = -1
+        self.nodes_done = 0
+        self.done_task = -1
+        self.partial_grads: list[torch.Tensor | None] | None = None
 
     def __repr__(self) -> str:
         return f"Unit({self.name or '<root>'}, {len(self.params)} params, {self.state.value})"
@@ -101,23 +146,81 @@ class Unit:
         for b in self.buckets:
             b.release()
 
+    @property
+    def trainable_buckets(self) -> list[Bucket]:
+        return [b for b, _ in self.routing]
+
+    def refresh_requires_grad(self) -> None:
+        """Follow `requires_grad` changed since the last step (cheap when nothing changed)."""
+        flags = tuple(p.param.requires_grad for p in self.params)
+        if flags == self._flags:
+            return
+        self._flags = flags
+        self.routing = []
+        for b in self.buckets:
+            mask = tuple(p.param.requires_grad for p in b.params)
+            if any(mask):
+                self.routing.append((b, mask))
+        self.trainable_params = [p for b, mask in self.routing for p, m in zip(b.params, mask) if m]
+        self.cached_views = None
+        self._acc_node = None
+        if self.trainable_params:
+            with torch.enable_grad():
+                shard = self.trainable_params[0].param
+                self._acc_node = shard.view_as(shard).grad_fn.next_functions[0][0]
+
+    def node_created(self, pass_id: int) -> None:
+        if self.nodes_pass != pass_id:
+            self.nodes_pass, self.nodes = pass_id, 0
+        self.nodes += 1
+
+    def node_done(self, task_id: int) -> bool:
+        """Count one of this pass's nodes as run in backward; True for the last one."""
+        if self.done_task != task_id:
+            self.done_task, self.nodes_done = task_id, 0
+        self.nodes_done += 1
+        return self.nodes_done >= self.nodes
+
+    def add_partial_grads(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """Sum the gradients of one call of a unit called several times (out of place:
+        autograd may hand the same tensor elsewhere)."""
+        if self.partial_grads is None:
+            self.partial_grads = list(grads)
+            return
+        self.partial_grads = [
+            a if b is None else b if a is None else a + b for a, b in zip(self.partial_grads, grads)
+        ]
+
+    def take_grads(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """The unit's gradients for this step: `grads` plus any earlier calls' partial sum."""
+        if self.partial_grads is not None:
+            self.add_partial_grads(grads)
+            grads, self.partial_grads = self.partial_grads, None
+        return list(grads)
+
     def trainable_views(self) -> list[torch.Tensor]:
-        return [v for b in self.trainable_buckets for v in b.unsharded_views()]
+        return [v for b, mask in self.routing for v, m in zip(b.unsharded_views(), mask) if m]
+
+    def frozen_pairs(self) -> list[tuple[ShardedParam, torch.Tensor]]:
+        """(param, view) of every parameter not routed through GatheredParams this step."""
+        routed = {id(p) for p in self.trainable_params}
+        return [
+            (p, v)
+            for b in self.buckets
+            for p, v in zip(b.params, b.unsharded_views())
+            if id(p) not in routed
+        ]
 
     def install(self, runtime: Runtime, *, with_grad: bool, pass_id: int) -> None:
         """Put the unsharded tensors in place of the shards in every module that uses them."""
         if self.cached_views is not None and self.cached_pass == pass_id and self.is_gathered:
             views = self.cached_views
         else:
-            frozen = [
-                (p, v)
-                for b in self.buckets
-                if not b.requires_grad
-                for p, v in zip(b.params, b.unsharded_views())
-            ]
+            frozen = self.frozen_pairs()
             if with_grad and self.trainable_params:
                 shards = [p.param for p in self.trainable_params]
                 trainable = list(GatheredParams.apply(runtime, self, *shards))
+                self.node_created(pass_id)
             else:
                 trainable = self.trainable_views()
             views = [v for _, v in frozen]

@@ -8,11 +8,15 @@ wrapped model on this rank's rows. Every step it asserts:
 - the wrapped loss, averaged over ranks, equals the reference loss (with
   `reference_per_rank`, the mean of the reference's losses on each rank's rows, which is what
   data parallelism computes when batch statistics are per rank, e.g. BatchNorm);
-- every local shard of every gradient equals the matching rows of the reference gradient;
+- every local shard of every gradient equals the matching rows of the reference gradient,
+  and a parameter whose reference gradient is None has `.grad` None too (never zeros);
 - after the optimizer step (when `check_params`), every local shard of every parameter too.
 
 Failures raise `AssertionError` naming the step, the parameter and the largest difference.
 Per-step collective counts and peak unsharded bytes are returned for further checks.
+`on_step(step, model, ref)`, if given, runs before each step's forward on both models (e.g.
+to freeze or unfreeze parameters the way a fine-tuning loop does); `compare` is the
+per-parameter check, for loops written by hand.
 """
 
 from __future__ import annotations
@@ -55,9 +59,11 @@ def _optimizer(kind: str, params, lr: float) -> torch.optim.Optimizer:  # type: 
     raise ValueError(f"unknown optimizer {kind!r}")
 
 
-def _compare(
-    what: str, step: int, model: nn.Module, ref: nn.Module, rtol: float, atol: float
+def compare(
+    what: str, step: int, model: nn.Module, ref: nn.Module, rtol: float = 1e-5, atol: float = 1e-6
 ) -> float:
+    """Assert every local shard of `model`'s gradients (`what="grad"`) or parameters
+    (`"param"`) equals the matching rows of `ref`'s; returns the largest difference."""
     runtime = model.fullshard_runtime
     s, r = runtime.mesh.shard.size, runtime.mesh.shard.rank
     ref_params = dict(ref.named_parameters())
@@ -67,7 +73,7 @@ def _compare(
         mine = p.grad if what == "grad" else p.detach()
         theirs = rp.grad if what == "grad" else rp.detach()
         if theirs is None:
-            assert mine is None or not mine.any(), f"step {step}: {name} has a {what} the ref lacks"
+            assert mine is None, f"step {step}: {name} has a {what} the reference lacks (None)"
             continue
         assert mine is not None, f"step {step}: {name} has no {what}"
         expected = local_rows(theirs, s, r)
@@ -97,6 +103,7 @@ def check_parity(
     param_atol: float | None = None,
     reference_per_rank: bool = False,
     seed: int = 0,
+    on_step: Callable[[int, nn.Module, nn.Module], None] | None = None,
     **fsdp_kwargs: object,
 ) -> ParityReport:
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -111,6 +118,8 @@ def check_parity(
     b = batch_per_rank
     for step in range(steps):
         x, y = ref.make_batch(b * world, generator)
+        if on_step is not None:
+            on_step(step, model, ref)
         fullshard.reset_comm_stats()
         fullshard.reset_memory_stats()
         loss = model.loss(x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b])
@@ -133,13 +142,13 @@ def check_parity(
         assert torch.allclose(global_loss, ref_loss.detach(), rtol=rtol, atol=atol), (
             f"step {step}: loss {global_loss.item():.8f} != reference {ref_loss.item():.8f}"
         )
-        worst = _compare("grad", step, model, ref, rtol, atol)
+        worst = compare("grad", step, model, ref, rtol, atol)
         report.max_grad_diff = max(report.max_grad_diff, worst)
         opt.step()
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
         if check_params:
-            worst = _compare("param", step, model, ref, rtol, param_atol or atol)
+            worst = compare("param", step, model, ref, rtol, param_atol or atol)
             report.max_param_diff = max(report.max_param_diff, worst)
     return report
