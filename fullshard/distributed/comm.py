@@ -25,6 +25,27 @@ packed copy, no padding on the wire: wire bytes count what is really sent). With
 ranks this is N−1 messages per collective instead of a ring's pipeline; NCCL keeps its own
 collectives, which already are optimal.
 
+[Note: ranks that run different units]
+Every exchange is matched by its position in the group's sequence, so all ranks must issue
+the engine's collectives in the same order. When they do not (LayerDrop with a per-rank RNG, an
+MoE expert skipped on one rank, a data-dependent branch), the k-th exchange of one rank meets
+the k-th of another that moves different rows: a hang, a size-mismatch crash or, when sizes
+coincide, a silent exchange of the wrong unit's data. So each labelled exchange on gloo (the
+engine passes `label=` naming the unit and bucket) also sends every peer a 16-byte header
+`(sequence number, crc32 of kind + label)` with its own tag, and `wait()` checks the headers
+before it waits for any data: a mismatch raises `RankDivergenceError` on every rank involved,
+naming each rank's unit, as soon as both ranks reach the exchange. Data tags carry the sequence
+number of the collective and the piece index, so a diverged data message can never be matched
+in place of another. Cost: one tiny message per peer per collective, no extra collective.
+What it cannot see: a rank that stops communicating altogether (the others then wait until the
+process group's timeout), and the NCCL path (no headers: collectives are matched by NCCL).
+
+[Note: the NCCL algorithm on gloo, for tests]
+`use_native_collectives(True)` (or FULLSHARD_NATIVE_COLLECTIVES=1 in the environment) makes
+gloo groups take NCCL's code path: the backend's own all-gather (rank-major output, reordered
+by the bucket) and reduce-scatter (on packed chunks), so every line of it except CUDA streams
+runs in the CPU test suite. It is for tests only: on gloo those collectives are slower.
+
 A group of size 1 communicates nothing: those calls become local copies and are not counted.
 
 Asynchronous calls return a `CommHandle`; its `wait()` blocks until the data is in place (for
@@ -46,8 +67,10 @@ Gathers for the next unit and reductions of the previous one thus overlap comput
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -128,19 +151,27 @@ def reset_comm_stats() -> None:
 class CommHandle:
     """A collective in flight. `wait()` is idempotent."""
 
-    __slots__ = ("_work", "_on_done", "_refs", "done")
+    __slots__ = ("_work", "_on_done", "_refs", "_header", "done")
 
     def __init__(
-        self, work: Any = None, on_done: Callable[[], None] | None = None, refs: tuple = ()
+        self,
+        work: Any = None,
+        on_done: Callable[[], None] | None = None,
+        refs: tuple = (),
+        header: _Header | None = None,
     ) -> None:
         self._work = work  # a Work, or a list of them (pairwise exchanges)
         self._on_done = on_done
         self._refs = refs  # keeps input/output alive until the collective is complete
+        self._header = header  # checked before any data is waited for
         self.done = work is None and on_done is None
 
     def wait(self) -> None:
         if self.done:
             return
+        if self._header is not None:
+            header, self._header = self._header, None
+            header.check()
         if isinstance(self._work, list):
             for w in self._work:
                 w.wait()
@@ -168,18 +199,105 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-_TAGS: dict[int, int] = {}
+_SEQ: dict[int, int] = {}
 
 
-def _next_tag(group: Group) -> int:
-    """Same sequence on every member, so concurrent exchanges never match the wrong peer."""
+def _next_seq(group: Group) -> int:
+    """The collective's position in the group's sequence: the same on every member as long
+    as they issue the same collectives in the same order (checked by the headers)."""
     key = id(group.pg)
-    _TAGS[key] = tag = (_TAGS.get(key, 0) + 1) % (1 << 30)
-    return tag
+    _SEQ[key] = seq = _SEQ.get(key, 0) + 1
+    return seq
+
+
+def _tag(seq: int, slot: int) -> int:
+    """Point-to-point tag of piece `slot` of collective `seq` (slot 0: the header). Below
+    2**31: 16 bits of sequence (exchanges in flight are few) and 15 of piece index."""
+    return ((seq & 0xFFFF) << 15) | (slot % 0x7FFF if slot else 0)
+
+
+_NATIVE_ON_GLOO = os.environ.get("FULLSHARD_NATIVE_COLLECTIVES", "") == "1"
+
+
+def use_native_collectives(enabled: bool) -> bool:
+    """For tests only: make gloo groups use the backend's all-gather / reduce-scatter, i.e.
+    the NCCL code path (see the module docstring). Returns the previous setting."""
+    global _NATIVE_ON_GLOO
+    previous, _NATIVE_ON_GLOO = _NATIVE_ON_GLOO, bool(enabled)
+    return previous
 
 
 def _use_pairwise(group: Group) -> bool:
-    return group.backend == "gloo"
+    return group.backend == "gloo" and not _NATIVE_ON_GLOO
+
+
+class RankDivergenceError(RuntimeError):
+    """Ranks issued different collectives at the same position: they ran different units."""
+
+
+_LABELS: dict[int, str] = {}
+
+
+def _exchange_id(kind: str, label: str) -> int:
+    ident = zlib.crc32(f"{kind}\0{label}".encode())
+    _LABELS.setdefault(ident, f"the {kind} of {label}" if label else f"an unlabelled {kind}")
+    return ident
+
+
+def register_label(label: str) -> None:
+    """Make `label` nameable in divergence errors even before this rank used it (the engine
+    registers every bucket's label at wrap time: a rank must name a unit it skipped)."""
+    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        _exchange_id(kind, label)
+
+
+class _Header:
+    """The 16-byte header of one labelled exchange: sent to and received from every peer."""
+
+    __slots__ = ("group", "mine", "theirs", "works")
+
+    def __init__(self, group: Group, kind: str, label: str) -> None:
+        seq = _next_seq(group)
+        self.group = group
+        self.mine = torch.tensor([seq, _exchange_id(kind, label)], dtype=torch.int64)
+        self.theirs = torch.empty(group.size, 2, dtype=torch.int64)
+        tag = _tag(seq, 0)
+        size, rank = group.size, group.rank
+        self.works = []
+        for step in range(1, size):
+            dst, src = (rank + step) % size, (rank - step) % size
+            into = self.theirs[src]
+            self.works.append(dist.isend(self.mine, group.ranks[dst], group=group.pg, tag=tag))
+            self.works.append(dist.irecv(into, group.ranks[src], group=group.pg, tag=tag))
+
+    @property
+    def seq(self) -> int:
+        return int(self.mine[0])
+
+    def check(self) -> None:
+        for w in self.works:
+            w.wait()
+        self.theirs[self.group.rank] = self.mine
+        if bool((self.theirs == self.mine).all()):
+            return
+        g = self.group
+        by_id: dict[int, list[int]] = {}
+        for r in range(g.size):
+            by_id.setdefault(int(self.theirs[r, 1]), []).append(g.ranks[r])
+        what = "; ".join(
+            f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: "
+            f"{_LABELS.get(i, f'an exchange with id {i:#x}')}"
+            for i, rs in by_id.items()
+        )
+        raise RankDivergenceError(
+            f"Ranks ran different units: collective #{self.seq} on the process group of ranks "
+            f"{list(g.ranks)} is {what}. Every rank must run the same wrapped units in the same "
+            f"order each step (the engine gathers and reduces each unit collectively); a "
+            f"per-rank random LayerDrop, an expert skipped on some ranks only or a branch on "
+            f"the data diverges. Draw such decisions from a generator seeded the same on every "
+            f"rank (or agree on them with a collective), or run the unit on every rank and "
+            f"discard its output. The process group is unusable after this error: restart."
+        )
 
 
 def gathers_segments(group: Group) -> bool:
@@ -194,6 +312,7 @@ def all_gather(
     *,
     async_op: bool = False,
     segments: Sequence[int] | None = None,
+    label: str | None = None,
 ) -> CommHandle:
     """Gather every rank's `input` into `output` (`group.size * input.numel()` elements).
 
@@ -203,38 +322,55 @@ def all_gather(
     rank, in rank order, then piece j+1 -- each parameter's rows contiguous, straight from
     the wire with no copy-out. That costs one message per piece and peer instead of one per
     peer; on gloo that is cheaper than copying the whole output once more.
+
+    `label` (e.g. the unit and bucket) turns on the divergence check on gloo: see the note
+    on ranks that run different units.
     """
     if group.size == 1:
         output.copy_(input.reshape(output.shape))
         return _DONE
     n = _nbytes(output)
     _COUNTERS.add("all_gather", n, n * (group.size - 1) / group.size)
+    header = _header(group, "all_gather", label)
     if _use_pairwise(group):
         size, rank = group.size, group.rank
         flat_in, flat_out = input.reshape(-1), output.view(-1)
         pieces = list(segments) if segments is not None else [flat_in.numel()]
         works, start = [], 0
-        for piece in pieces:
+        seq = header.seq if header is not None else _next_seq(group)
+        for j, piece in enumerate(pieces):
             mine = flat_in[start : start + piece]
             slots = flat_out[size * start : size * (start + piece)].view(size, piece)
             slots[rank].copy_(mine)
-            tag = _next_tag(group)
+            tag = _tag(seq, j + 1)
             for step in range(1, size):
                 dst, src = (rank + step) % size, (rank - step) % size
                 works.append(dist.isend(mine, group.ranks[dst], group=group.pg, tag=tag))
                 works.append(dist.irecv(slots[src], group.ranks[src], group=group.pg, tag=tag))
             start += piece
-        handle = CommHandle(works, refs=(output, input))
+        handle = CommHandle(works, refs=(output, input), header=header)
     else:
         if segments is not None and len(segments) > 1:
             raise ValueError("segment-major all-gather needs gathers_segments(group)")
-        work = _all_gather_into(output, input, group=group.pg, async_op=async_op)
-        handle = CommHandle(work, refs=(output, input)) if async_op else _DONE
+        work = _all_gather_into(output, input, group=group.pg, async_op=True)
+        handle = CommHandle(work, refs=(output, input), header=header)
     return _settle(handle, async_op)
 
 
+def _header(group: Group, kind: str, label: str | None) -> _Header | None:
+    """Post the divergence-check header of a labelled exchange (gloo only)."""
+    if label is None or group.backend != "gloo":
+        return None
+    return _Header(group, kind, label)
+
+
 def reduce_scatter(
-    output: torch.Tensor, input: torch.Tensor, group: Group, *, async_op: bool = False
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Group,
+    *,
+    async_op: bool = False,
+    label: str | None = None,
 ) -> CommHandle:
     """Sum `input` (rank-major, `group.size` equal chunks) over the group; this rank's chunk of
     the sum lands in `output`."""
@@ -243,11 +379,14 @@ def reduce_scatter(
         return _DONE
     if _use_pairwise(group):  # the packed input is one segment of `group.size` chunks
         flat = input.reshape(-1)
-        return reduce_scatter_segments(output, [flat], [output.numel()], group, async_op=async_op)
+        return reduce_scatter_segments(
+            output, [flat], [output.numel()], group, async_op=async_op, label=label
+        )
     n = _nbytes(input)
     _COUNTERS.add("reduce_scatter", n, n * (group.size - 1) / group.size)
-    work = _reduce_scatter_into(output, input, group=group.pg, async_op=async_op)
-    handle = CommHandle(work, refs=(output, input)) if async_op else _DONE
+    header = _header(group, "reduce_scatter", label)
+    work = _reduce_scatter_into(output, input, group=group.pg, async_op=True)
+    handle = CommHandle(work, refs=(output, input), header=header)
     return _settle(handle, async_op)
 
 
@@ -258,6 +397,7 @@ def reduce_scatter_segments(
     group: Group,
     *,
     async_op: bool = False,
+    label: str | None = None,
 ) -> CommHandle:
     """A reduce-scatter of tensors that were never packed (only where `gathers_segments(group)`).
 
@@ -276,16 +416,18 @@ def reduce_scatter_segments(
     if not gathers_segments(group):
         raise ValueError("reduce_scatter_segments needs gathers_segments(group)")
     size, rank = group.size, group.rank
+    header = _header(group, "reduce_scatter", label)
+    seq = header.seq if header is not None else _next_seq(group)
     direct = size == 2
     # Received chunks of the peers in rank order (row r - (r > rank)); none on two ranks.
     received = None if direct else output.new_empty((size - 1, output.numel()))
     flat_out = output.view(-1)
     works, wire, offset, plan = [], 0, 0, []
-    for x, n in zip(inputs, sizes):
+    for j, (x, n) in enumerate(zip(inputs, sizes)):
         x = x.view(-1)
         real = [max(0, min(n, x.numel() - r * n)) for r in range(size)]  # rank r's elements
         mine = real[rank]
-        tag = _next_tag(group)
+        tag = _tag(seq, j + 1)
         for step in range(1, size):
             dst, src = (rank + step) % size, (rank - step) % size
             if real[dst] > 0:
@@ -315,7 +457,9 @@ def reduce_scatter_segments(
                     out.add_(part)
             flat_out[start + mine : start + n].zero_()
 
-    handle = CommHandle(works, on_done=sum_in_rank_order, refs=(output, tuple(inputs), received))
+    handle = CommHandle(
+        works, on_done=sum_in_rank_order, refs=(output, tuple(inputs), received), header=header
+    )
     return _settle(handle, async_op)
 
 
@@ -325,14 +469,19 @@ def all_reduce(
     *,
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     async_op: bool = False,
+    label: str | None = None,
 ) -> CommHandle:
-    """Reduce `tensor` in place over the group."""
+    """Reduce `tensor` in place over the group (`label`: see `all_gather`)."""
     if group.size == 1:
         return _DONE
     n = _nbytes(tensor)
     _COUNTERS.add("all_reduce", n, 2 * n * (group.size - 1) / group.size)
-    work = dist.all_reduce(tensor, op=op, group=group.pg, async_op=async_op)
-    return CommHandle(work, refs=(tensor,)) if async_op else _DONE
+    header = _header(group, "all_reduce", label)
+    if header is None and not async_op:
+        dist.all_reduce(tensor, op=op, group=group.pg)
+        return _DONE
+    work = dist.all_reduce(tensor, op=op, group=group.pg, async_op=True)
+    return _settle(CommHandle(work, refs=(tensor,), header=header), async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Group) -> None:

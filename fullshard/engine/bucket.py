@@ -82,6 +82,16 @@ class Bucket:
         self._segmented = False  # the gather output is already parameter-major
         self.unsharded: torch.Tensor | None = None
         self.accumulated_grad: torch.Tensor | None = None  # no_sync, rank-major
+        self.label = ""  # names the unit and bucket in divergence errors (see set_label)
+
+    def set_label(self, unit_name: str, index: int) -> None:
+        """Name this bucket in its collectives, so ranks that run different units get an
+        error naming them (comm's note on ranks that run different units)."""
+        more = f" and {len(self.params) - 1} more" if len(self.params) > 1 else ""
+        self.label = (
+            f"unit {unit_name or '<root>'!r} (bucket {index}: {self.params[0].fqn}{more})"
+        )
+        comm.register_label(self.label)
 
     # -- layout -----------------------------------------------------------------------------
     def padded_shard(self, p: ShardedParam) -> torch.Tensor:
@@ -143,7 +153,7 @@ class Bucket:
             segments = [p.layout.padded_shard_numel for p in self.params]
         self._segmented = segments is not None
         self._gather_handle = comm.all_gather(
-            out, send, self.mesh.shard, async_op=async_op, segments=segments
+            out, send, self.mesh.shard, async_op=async_op, segments=segments, label=self.label
         )
 
     def finish_gather(self) -> torch.Tensor:
@@ -272,17 +282,21 @@ class PendingReduction:
         if mesh.shard.size == 1:
             assert packed is not None
             self.output = packed  # already this rank's (only) chunk
-            self._handle = comm.all_reduce(packed, mesh.replicate, async_op=True)
+            self._handle = comm.all_reduce(
+                packed, mesh.replicate, async_op=True, label=bucket.label
+            )
             self._replicate_pending = False
         else:
             self.output = torch.empty(bucket.numel, dtype=bucket.reduce_dtype, device=bucket.device)
             if packed is not None:
-                self._handle = comm.reduce_scatter(self.output, packed, mesh.shard, async_op=True)
+                self._handle = comm.reduce_scatter(
+                    self.output, packed, mesh.shard, async_op=True, label=bucket.label
+                )
             else:
                 assert unpacked is not None
                 sizes = [p.layout.padded_shard_numel for p in bucket.params]
                 self._handle = comm.reduce_scatter_segments(
-                    self.output, unpacked, sizes, mesh.shard, async_op=True
+                    self.output, unpacked, sizes, mesh.shard, async_op=True, label=bucket.label
                 )
             self._replicate_pending = mesh.replicate.size > 1
 
@@ -291,7 +305,9 @@ class PendingReduction:
         self._handle.wait()  # the handle held the reduce input until now
         if self._replicate_pending:
             self._replicate_pending = False
-            self._handle = comm.all_reduce(self.output, self.bucket.mesh.replicate, async_op=True)
+            self._handle = comm.all_reduce(
+                self.output, self.bucket.mesh.replicate, async_op=True, label=self.bucket.label
+            )
             return False
         return True
 
