@@ -30,15 +30,22 @@ Every exchange is matched by its position in the group's sequence, so all ranks 
 the engine's collectives in the same order. When they do not (LayerDrop with a per-rank RNG, an
 MoE expert skipped on one rank, a data-dependent branch), the k-th exchange of one rank meets
 the k-th of another that moves different rows: a hang, a size-mismatch crash or, when sizes
-coincide, a silent exchange of the wrong unit's data. So each labelled exchange on gloo (the
-engine passes `label=` naming the unit and bucket) also sends every peer a 16-byte header
-`(sequence number, crc32 of kind + label)` with its own tag, and `wait()` checks the headers
-before it waits for any data: a mismatch raises `RankDivergenceError` on every rank involved,
-naming each rank's unit, as soon as both ranks reach the exchange. Data tags carry the sequence
-number of the collective and the piece index, so a diverged data message can never be matched
-in place of another. Cost: one tiny message per peer per collective, no extra collective.
-What it cannot see: a rank that stops communicating altogether (the others then wait until the
-process group's timeout), and the NCCL path (no headers: collectives are matched by NCCL).
+coincide, a silent exchange of the wrong unit's data. So the engine labels each exchange
+(`label=`: the unit and bucket) and, on gloo:
+- every point-to-point tag mixes the collective's sequence number, the crc32 of kind + label
+  and the piece index, so a message of one unit can never be received as another's (tags that
+  collide are harmless: gloo matches equal tags in posting order, the same on every rank);
+- exchanges that open a unit's gathers or reductions (`check=True`: the engine sets it on the
+  first bucket of a unit, where any divergence begins, since a unit's buckets are issued
+  back to back) also send every peer a 16-byte header `(sequence number, crc32 of kind +
+  label)` under a tag that does not depend on the label, and `wait()` checks the headers
+  before it waits for any data: a mismatch raises `RankDivergenceError` on every rank
+  involved, naming each rank's unit, as soon as both reach the exchange.
+Cost: one tiny message per peer for each unit's gather and reduction, no extra collective
+(headers are not counted in `comm_stats()`; one header per bucket cost ~0.25 ms each on this
+loaded 2-core machine, too much for NONE bucketing). What it cannot see: a rank that stops
+communicating altogether (the others then wait until the process group's timeout), and the
+NCCL path (no headers: collectives are matched by NCCL).
 
 [Note: the NCCL algorithm on gloo, for tests]
 `use_native_collectives(True)` (or FULLSHARD_NATIVE_COLLECTIVES=1 in the environment) makes
@@ -210,10 +217,10 @@ def _next_seq(group: Group) -> int:
     return seq
 
 
-def _tag(seq: int, slot: int) -> int:
-    """Point-to-point tag of piece `slot` of collective `seq` (slot 0: the header). Below
-    2**31: 16 bits of sequence (exchanges in flight are few) and 15 of piece index."""
-    return ((seq & 0xFFFF) << 15) | (slot % 0x7FFF if slot else 0)
+def _tag(seq: int, ident: int, slot: int) -> int:
+    """Point-to-point tag of piece `slot` of collective `seq` whose kind + label hash to
+    `ident` (the header: ident 0, slot 0). A mix below 2**31."""
+    return (seq * 0x9E3779B1 + ident * 0x85EBCA77 + slot * 0xC2B2AE3D) & 0x7FFFFFFF
 
 
 _NATIVE_ON_GLOO = os.environ.get("FULLSHARD_NATIVE_COLLECTIVES", "") == "1"
@@ -256,12 +263,11 @@ class _Header:
 
     __slots__ = ("group", "mine", "theirs", "works")
 
-    def __init__(self, group: Group, kind: str, label: str) -> None:
-        seq = _next_seq(group)
+    def __init__(self, group: Group, seq: int, ident: int) -> None:
         self.group = group
-        self.mine = torch.tensor([seq, _exchange_id(kind, label)], dtype=torch.int64)
+        self.mine = torch.tensor([seq, ident], dtype=torch.int64)
         self.theirs = torch.empty(group.size, 2, dtype=torch.int64)
-        tag = _tag(seq, 0)
+        tag = _tag(seq, 0, 0)
         size, rank = group.size, group.rank
         self.works = []
         for step in range(1, size):
@@ -313,6 +319,7 @@ def all_gather(
     async_op: bool = False,
     segments: Sequence[int] | None = None,
     label: str | None = None,
+    check: bool = True,
 ) -> CommHandle:
     """Gather every rank's `input` into `output` (`group.size * input.numel()` elements).
 
@@ -323,26 +330,25 @@ def all_gather(
     the wire with no copy-out. That costs one message per piece and peer instead of one per
     peer; on gloo that is cheaper than copying the whole output once more.
 
-    `label` (e.g. the unit and bucket) turns on the divergence check on gloo: see the note
-    on ranks that run different units.
+    `label` (e.g. the unit and bucket) goes into the tags and, with `check`, into a header
+    checked on gloo: see the note on ranks that run different units.
     """
     if group.size == 1:
         output.copy_(input.reshape(output.shape))
         return _DONE
     n = _nbytes(output)
     _COUNTERS.add("all_gather", n, n * (group.size - 1) / group.size)
-    header = _header(group, "all_gather", label)
+    seq, ident, header = _sequence(group, "all_gather", label, check)
     if _use_pairwise(group):
         size, rank = group.size, group.rank
         flat_in, flat_out = input.reshape(-1), output.view(-1)
         pieces = list(segments) if segments is not None else [flat_in.numel()]
         works, start = [], 0
-        seq = header.seq if header is not None else _next_seq(group)
         for j, piece in enumerate(pieces):
             mine = flat_in[start : start + piece]
             slots = flat_out[size * start : size * (start + piece)].view(size, piece)
             slots[rank].copy_(mine)
-            tag = _tag(seq, j + 1)
+            tag = _tag(seq, ident, j + 1)
             for step in range(1, size):
                 dst, src = (rank + step) % size, (rank - step) % size
                 works.append(dist.isend(mine, group.ranks[dst], group=group.pg, tag=tag))
@@ -357,11 +363,16 @@ def all_gather(
     return _settle(handle, async_op)
 
 
-def _header(group: Group, kind: str, label: str | None) -> _Header | None:
-    """Post the divergence-check header of a labelled exchange (gloo only)."""
-    if label is None or group.backend != "gloo":
-        return None
-    return _Header(group, kind, label)
+def _sequence(
+    group: Group, kind: str, label: str | None, check: bool
+) -> tuple[int, int, _Header | None]:
+    """The collective's sequence number, its kind + label hash (for the tags) and the header
+    posted for it (gloo, labelled, `check`), if any."""
+    seq = _next_seq(group)
+    ident = _exchange_id(kind, label or "")
+    if label is None or not check or group.backend != "gloo":
+        return seq, ident, None
+    return seq, ident, _Header(group, seq, ident)
 
 
 def reduce_scatter(
@@ -371,20 +382,21 @@ def reduce_scatter(
     *,
     async_op: bool = False,
     label: str | None = None,
+    check: bool = True,
 ) -> CommHandle:
     """Sum `input` (rank-major, `group.size` equal chunks) over the group; this rank's chunk of
-    the sum lands in `output`."""
+    the sum lands in `output`. (`label`, `check`: see `all_gather`.)"""
     if group.size == 1:
         output.copy_(input.reshape(output.shape))
         return _DONE
     if _use_pairwise(group):  # the packed input is one segment of `group.size` chunks
         flat = input.reshape(-1)
         return reduce_scatter_segments(
-            output, [flat], [output.numel()], group, async_op=async_op, label=label
+            output, [flat], [output.numel()], group, async_op=async_op, label=label, check=check
         )
     n = _nbytes(input)
     _COUNTERS.add("reduce_scatter", n, n * (group.size - 1) / group.size)
-    header = _header(group, "reduce_scatter", label)
+    _, _, header = _sequence(group, "reduce_scatter", label, check)
     work = _reduce_scatter_into(output, input, group=group.pg, async_op=True)
     handle = CommHandle(work, refs=(output, input), header=header)
     return _settle(handle, async_op)
@@ -398,6 +410,7 @@ def reduce_scatter_segments(
     *,
     async_op: bool = False,
     label: str | None = None,
+    check: bool = True,
 ) -> CommHandle:
     """A reduce-scatter of tensors that were never packed (only where `gathers_segments(group)`).
 
@@ -416,8 +429,7 @@ def reduce_scatter_segments(
     if not gathers_segments(group):
         raise ValueError("reduce_scatter_segments needs gathers_segments(group)")
     size, rank = group.size, group.rank
-    header = _header(group, "reduce_scatter", label)
-    seq = header.seq if header is not None else _next_seq(group)
+    seq, ident, header = _sequence(group, "reduce_scatter", label, check)
     direct = size == 2
     # Received chunks of the peers in rank order (row r - (r > rank)); none on two ranks.
     received = None if direct else output.new_empty((size - 1, output.numel()))
@@ -427,7 +439,7 @@ def reduce_scatter_segments(
         x = x.view(-1)
         real = [max(0, min(n, x.numel() - r * n)) for r in range(size)]  # rank r's elements
         mine = real[rank]
-        tag = _tag(seq, j + 1)
+        tag = _tag(seq, ident, j + 1)
         for step in range(1, size):
             dst, src = (rank + step) % size, (rank - step) % size
             if real[dst] > 0:
@@ -470,13 +482,16 @@ def all_reduce(
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     async_op: bool = False,
     label: str | None = None,
+    check: bool = True,
 ) -> CommHandle:
-    """Reduce `tensor` in place over the group (`label`: see `all_gather`)."""
+    """Reduce `tensor` in place over the group (`label`, `check`: see `all_gather`)."""
     if group.size == 1:
         return _DONE
     n = _nbytes(tensor)
     _COUNTERS.add("all_reduce", n, 2 * n * (group.size - 1) / group.size)
-    header = _header(group, "all_reduce", label)
+    header = None
+    if label is not None and check and group.backend == "gloo":
+        _, _, header = _sequence(group, "all_reduce", label, check)
     if header is None and not async_op:
         dist.all_reduce(tensor, op=op, group=group.pg)
         return _DONE

@@ -83,10 +83,14 @@ class Bucket:
         self.unsharded: torch.Tensor | None = None
         self.accumulated_grad: torch.Tensor | None = None  # no_sync, rank-major
         self.label = ""  # names the unit and bucket in divergence errors (see set_label)
+        self.check_gather = self.check_reduce = True  # send comm's divergence header
 
-    def set_label(self, unit_name: str, index: int) -> None:
+    def set_label(self, unit_name: str, index: int, *, first_trainable: bool) -> None:
         """Name this bucket in its collectives, so ranks that run different units get an
-        error naming them (comm's note on ranks that run different units)."""
+        error naming them (comm's note on ranks that run different units). Only a unit's
+        first bucket (first trainable one for reductions) sends the header: divergence starts
+        at a unit's first collective."""
+        self.check_gather, self.check_reduce = index == 0, first_trainable
         more = f" and {len(self.params) - 1} more" if len(self.params) > 1 else ""
         self.label = (
             f"unit {unit_name or '<root>'!r} (bucket {index}: {self.params[0].fqn}{more})"
@@ -153,7 +157,8 @@ class Bucket:
             segments = [p.layout.padded_shard_numel for p in self.params]
         self._segmented = segments is not None
         self._gather_handle = comm.all_gather(
-            out, send, self.mesh.shard, async_op=async_op, segments=segments, label=self.label
+            out, send, self.mesh.shard, async_op=async_op, segments=segments, label=self.label,
+            check=self.check_gather,
         )
 
     def finish_gather(self) -> torch.Tensor:
@@ -283,20 +288,22 @@ class PendingReduction:
             assert packed is not None
             self.output = packed  # already this rank's (only) chunk
             self._handle = comm.all_reduce(
-                packed, mesh.replicate, async_op=True, label=bucket.label
+                packed, mesh.replicate, async_op=True, label=bucket.label, check=bucket.check_reduce
             )
             self._replicate_pending = False
         else:
             self.output = torch.empty(bucket.numel, dtype=bucket.reduce_dtype, device=bucket.device)
             if packed is not None:
                 self._handle = comm.reduce_scatter(
-                    self.output, packed, mesh.shard, async_op=True, label=bucket.label
+                    self.output, packed, mesh.shard, async_op=True,
+                    label=bucket.label, check=bucket.check_reduce,
                 )
             else:
                 assert unpacked is not None
                 sizes = [p.layout.padded_shard_numel for p in bucket.params]
                 self._handle = comm.reduce_scatter_segments(
-                    self.output, unpacked, sizes, mesh.shard, async_op=True, label=bucket.label
+                    self.output, unpacked, sizes, mesh.shard, async_op=True,
+                    label=bucket.label, check=bucket.check_reduce,
                 )
             self._replicate_pending = mesh.replicate.size > 1
 
@@ -306,7 +313,11 @@ class PendingReduction:
         if self._replicate_pending:
             self._replicate_pending = False
             self._handle = comm.all_reduce(
-                self.output, self.bucket.mesh.replicate, async_op=True, label=self.bucket.label
+                self.output,
+                self.bucket.mesh.replicate,
+                async_op=True,
+                label=self.bucket.label,
+                check=self.bucket.check_reduce,
             )
             return False
         return True

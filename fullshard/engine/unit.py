@@ -61,9 +61,9 @@ class Unit:
         self.module = module
         self.name = name
         self.buckets = list(buckets)
-        for i, b in enumerate(self.buckets):
-            b.set_label(name, i)
         self.trainable_buckets = [b for b in self.buckets if b.requires_grad]
+        for i, b in enumerate(self.buckets):
+            b.set_label(name, i, first_trainable=b is next(iter(self.trainable_buckets), None))
         self.trainable_params: list[ShardedParam] = [
             p for b in self.trainable_buckets for p in b.params
         ]

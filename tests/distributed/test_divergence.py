@@ -3,7 +3,8 @@
 Each case wraps a small mixture of "experts" (one unit each, all the same shape, so a
 mismatched exchange can go through silently) and, after one good step, lets the ranks take
 different routes: LayerDrop on one rank (a unit skipped), a different expert per rank (same
-count, same sizes), under ZeRO-3, ZeRO-2, NO_SHARD, HYBRID, and on 3 ranks with one rank off.
+count, same sizes), under ZeRO-3, ZeRO-2, NO_SHARD, HYBRID, with one or several buckets per
+unit, and on 3 ranks with one rank off.
 Every rank must end in `RankDivergenceError` naming both units, within seconds -- before this
 check these cases hung until the process-group timeout or exchanged the wrong unit's rows
 without a word. The group is respawned after each failure, and a normal step runs on it.
@@ -43,21 +44,24 @@ class Experts(nn.Module):
         return self.head(x)
 
 
-# case -> (strategy, mesh, {rank: route} for the diverging step (default [0, 1, 2]))
+# case -> (strategy, mesh, {rank: route} for the diverging step (default [0, 1, 2]), bucketing)
+# NONE bucketing: two buckets per expert, only the first of a unit's collectives is checked.
 CASES = {
-    "layerdrop-zero3": ("FULL_SHARD", None, {1: [0, 2]}),
-    "expert-zero2": ("SHARD_GRAD_OP", None, {0: [0, 1], 1: [0, 2]}),
-    "expert-no_shard": ("NO_SHARD", None, {0: [0, 1], 1: [0, 2]}),
-    "expert-hybrid": ("HYBRID_SHARD", (2, 1), {0: [0, 1], 1: [0, 2]}),
-    "layerdrop-3ranks-one-off": ("FULL_SHARD", None, {2: [0, 2]}),
+    "layerdrop-zero3": ("FULL_SHARD", None, {1: [0, 2]}, "BLOCK"),
+    "expert-zero2": ("SHARD_GRAD_OP", None, {0: [0, 1], 1: [0, 2]}, "BLOCK"),
+    "expert-zero2-per-param-buckets": ("SHARD_GRAD_OP", None, {0: [0, 1], 1: [0, 2]}, "NONE"),
+    "expert-no_shard": ("NO_SHARD", None, {0: [0, 1], 1: [0, 2]}, "LAYER"),
+    "expert-hybrid": ("HYBRID_SHARD", (2, 1), {0: [0, 1], 1: [0, 2]}, "BLOCK"),
+    "layerdrop-3ranks-one-off": ("FULL_SHARD", None, {2: [0, 2]}, "NONE"),
 }
 
 
-def _step(strategy: str, mesh: tuple[int, int] | None, routes: dict[int, list[int]]) -> float:
+def _step(strategy: str, mesh: tuple[int, int] | None, routes: dict[int, list[int]],
+          bucketing: str = "BLOCK") -> float:
     torch.manual_seed(0)
     kwargs = {"device_mesh": mesh} if mesh else {}
     model = fullshard.fsdp(Experts(), device="cpu", sharding_strategy=strategy,
-                           auto_wrap_policy={Expert}, bucketing_strategy="BLOCK", **kwargs)
+                           auto_wrap_policy={Expert}, bucketing_strategy=bucketing, **kwargs)
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(dist.get_rank()))
     model(x, [0, 1, 2]).sum().backward()  # a good step: the exchange sequence is in use
     start = time.monotonic()
@@ -83,12 +87,12 @@ def groups():
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_ranks_running_different_units_fail_fast_naming_them(groups, case) -> None:
-    strategy, mesh, routes = CASES[case]
+    strategy, mesh, routes, bucketing = CASES[case]
     world = 3 if "3ranks" in case else 2
     group = groups(world)
     start = time.monotonic()
     with pytest.raises(RankFailure) as info:
-        group.run(_step, strategy, mesh, routes, timeout=60)
+        group.run(_step, strategy, mesh, routes, bucketing, timeout=60)
     elapsed = time.monotonic() - start
     failure = info.value
     assert failure.silent == [], failure  # every rank raised, none hung
