@@ -45,7 +45,8 @@ Cost: one tiny message per peer for each unit's gather and reduction, no extra c
 (headers are not counted in `comm_stats()`; one header per bucket cost ~0.25 ms each on this
 loaded 2-core machine, too much for NONE bucketing). What it cannot see: a rank that stops
 communicating altogether (the others then wait until the process group's timeout), and the
-NCCL path (no headers: collectives are matched by NCCL).
+NCCL path (no headers: collectives are matched by NCCL). Identifiers, tags and the error's
+wording live in divergence.py.
 
 [Note: the NCCL algorithm on gloo, for tests]
 `use_native_collectives(True)` (or FULLSHARD_NATIVE_COLLECTIVES=1 in the environment) makes
@@ -77,13 +78,17 @@ from __future__ import annotations
 import os
 import threading
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from fullshard.distributed.divergence import RankDivergenceError as RankDivergenceError
+from fullshard.distributed.divergence import divergence_message, exchange_id
+from fullshard.distributed.divergence import register_label as register_label
+from fullshard.distributed.divergence import tag as _tag
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "scatter")
 
@@ -217,12 +222,6 @@ def _next_seq(group: Group) -> int:
     return seq
 
 
-def _tag(seq: int, ident: int, slot: int) -> int:
-    """Point-to-point tag of piece `slot` of collective `seq` whose kind + label hash to
-    `ident` (the header: ident 0, slot 0). A mix below 2**31."""
-    return (seq * 0x9E3779B1 + ident * 0x85EBCA77 + slot * 0xC2B2AE3D) & 0x7FFFFFFF
-
-
 _NATIVE_ON_GLOO = os.environ.get("FULLSHARD_NATIVE_COLLECTIVES", "") == "1"
 
 
@@ -236,26 +235,6 @@ def use_native_collectives(enabled: bool) -> bool:
 
 def _use_pairwise(group: Group) -> bool:
     return group.backend == "gloo" and not _NATIVE_ON_GLOO
-
-
-class RankDivergenceError(RuntimeError):
-    """Ranks issued different collectives at the same position: they ran different units."""
-
-
-_LABELS: dict[int, str] = {}
-
-
-def _exchange_id(kind: str, label: str) -> int:
-    ident = zlib.crc32(f"{kind}\0{label}".encode())
-    _LABELS.setdefault(ident, f"the {kind} of {label}" if label else f"an unlabelled {kind}")
-    return ident
-
-
-def register_label(label: str) -> None:
-    """Make `label` nameable in divergence errors even before this rank used it (the engine
-    registers every bucket's label at wrap time: a rank must name a unit it skipped)."""
-    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
-        _exchange_id(kind, label)
 
 
 class _Header:
@@ -286,24 +265,7 @@ class _Header:
         self.theirs[self.group.rank] = self.mine
         if bool((self.theirs == self.mine).all()):
             return
-        g = self.group
-        by_id: dict[int, list[int]] = {}
-        for r in range(g.size):
-            by_id.setdefault(int(self.theirs[r, 1]), []).append(g.ranks[r])
-        what = "; ".join(
-            f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: "
-            f"{_LABELS.get(i, f'an exchange with id {i:#x}')}"
-            for i, rs in by_id.items()
-        )
-        raise RankDivergenceError(
-            f"Ranks ran different units: collective #{self.seq} on the process group of ranks "
-            f"{list(g.ranks)} is {what}. Every rank must run the same wrapped units in the same "
-            f"order each step (the engine gathers and reduces each unit collectively); a "
-            f"per-rank random LayerDrop, an expert skipped on some ranks only or a branch on "
-            f"the data diverges. Draw such decisions from a generator seeded the same on every "
-            f"rank (or agree on them with a collective), or run the unit on every rank and "
-            f"discard its output. The process group is unusable after this error: restart."
-        )
+        raise RankDivergenceError(divergence_message(self.seq, self.group.ranks, self.theirs))
 
 
 def gathers_segments(group: Group) -> bool:
@@ -369,7 +331,7 @@ def _sequence(
     """The collective's sequence number, its kind + label hash (for the tags) and the header
     posted for it (gloo, labelled, `check`), if any."""
     seq = _next_seq(group)
-    ident = _exchange_id(kind, label or "")
+    ident = exchange_id(kind, label or "")
     if label is None or not check or group.backend != "gloo":
         return seq, ident, None
     return seq, ident, _Header(group, seq, ident)
