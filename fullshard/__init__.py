@@ -7,6 +7,7 @@ keeps about 1/N of the model state.
 
 from fullshard.api.fabric import Fabric, seed_everything
 from fullshard.api.functional import fsdp
+from fullshard.api.grad_norm import clip_grad_norm_
 from fullshard.api.loggers import CSVLogger
 from fullshard.api.strategy import FSDPStrategy
 from fullshard.config import (
@@ -33,6 +34,7 @@ __all__ = [
     "MixedPrecision",
     "PlanTable",
     "ShardingStrategy",
+    "clip_grad_norm_",
     "comm_stats",
     "fsdp",
     "full_state_dict",

@@ -4,16 +4,23 @@ Each rank's gradient shards are disjoint slices of the unsharded gradients (padd
 not part of them), so the norm is one reduction over the shard axis: the sum of `|g|^p` (the
 max for `inf`). Replicas along the replicate axis hold the same shards and are not counted
 again. Every rank ends with the same norm, so a non-finite norm raises on all of them.
+
+`clip_grad_norm_(model, ...)` is the functional API's door (`fullshard.clip_grad_norm_`):
+`torch.nn.utils.clip_grad_norm_` on the shards would clip by each rank's local norm.
+`FSDPStrategy.clip_gradients_norm` uses the same `clip_grad_norm` below.
 """
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from fullshard.distributed import comm
+from fullshard.engine.module import runtime_of
 
 
 def global_grad_norm(
@@ -79,3 +86,51 @@ def clip_grad_norm(
     for g in grads:
         g.mul_(coef.to(g.device))
     return total
+
+
+def clip_grad_norm_(
+    model: nn.Module,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` for a model wrapped by `fullshard.fsdp`.
+
+    Scales every gradient shard in place so that the norm of the *unsharded* gradients is at
+    most `max_norm`, and returns that total norm (before clipping; a 0-dim float32 tensor on
+    the gradients' device, the same on every rank) -- the numbers one process gets from
+    `torch.nn.utils.clip_grad_norm_` on the unwrapped model. `norm_type` may be any p > 0 or
+    `inf`; `0` counts the non-zero gradient elements (torch counts the parameters whose
+    gradient is not all zero, which a shard cannot tell). With `error_if_nonfinite`, a NaN/inf
+    norm raises a `RuntimeError` on every rank; otherwise the gradients are scaled by it, as
+    torch does. `foreach` is accepted for
+    signature compatibility: the scaling is one multiply per shard either way.
+
+    Collective: every rank of the model's process group must call it (one all-reduce; two
+    for `inf`).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"fullshard.clip_grad_norm_ takes the wrapped model (the module fullshard.fsdp "
+            f"returned), got {type(model).__name__}. Pass the model itself, not its parameters."
+        )
+    if not isinstance(max_norm, numbers.Real) or isinstance(max_norm, bool):
+        raise TypeError(f"max_norm must be a real number, got {max_norm!r}")
+    if not isinstance(norm_type, numbers.Real) or isinstance(norm_type, bool) or norm_type < 0:
+        raise ValueError(f"norm_type must be a number >= 0 or inf, got {norm_type!r}")
+    runtime = runtime_of(model)  # a ValueError naming the fix when the model is not wrapped
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if grads:
+        device = grads[0].device
+    else:
+        bucket = next((b for u in runtime.units for b in u.buckets), None)
+        device = bucket.device if bucket is not None else torch.device("cpu")
+    return clip_grad_norm(
+        grads,
+        float(max_norm),
+        float(norm_type),
+        runtime.mesh.shard,
+        device,
+        error_if_nonfinite=error_if_nonfinite,
+    )

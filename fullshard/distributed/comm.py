@@ -25,6 +25,35 @@ packed copy, no padding on the wire: wire bytes count what is really sent). With
 ranks this is N−1 messages per collective instead of a ring's pipeline; NCCL keeps its own
 collectives, which already are optimal.
 
+[Note: ranks that run different units]
+Every exchange is matched by its position in the group's sequence, so all ranks must issue
+the engine's collectives in the same order. When they do not (LayerDrop with a per-rank RNG, an
+MoE expert skipped on one rank, a data-dependent branch), the k-th exchange of one rank meets
+the k-th of another that moves different rows: a hang, a size-mismatch crash or, when sizes
+coincide, a silent exchange of the wrong unit's data. So the engine labels each exchange
+(`label=`: the unit and bucket) and, on gloo:
+- every point-to-point tag mixes the collective's sequence number, the crc32 of kind + label
+  and the piece index, so a message of one unit can never be received as another's (tags that
+  collide are harmless: gloo matches equal tags in posting order, the same on every rank);
+- exchanges that open a unit's gathers or reductions (`check=True`: the engine sets it on the
+  first bucket of a unit, where any divergence begins, since a unit's buckets are issued
+  back to back) also send every peer a 16-byte header `(sequence number, crc32 of kind +
+  label)` under a tag that does not depend on the label, and `wait()` checks the headers
+  before it waits for any data: a mismatch raises `RankDivergenceError` on every rank
+  involved, naming each rank's unit, as soon as both reach the exchange.
+Cost: one tiny message per peer for each unit's gather and reduction, no extra collective
+(headers are not counted in `comm_stats()`; one header per bucket cost ~0.25 ms each on this
+loaded 2-core machine, too much for NONE bucketing). What it cannot see: a rank that stops
+communicating altogether (the others then wait until the process group's timeout), and the
+NCCL path (no headers: collectives are matched by NCCL). Identifiers, tags and the error's
+wording live in divergence.py.
+
+[Note: the NCCL algorithm on gloo, for tests]
+`use_native_collectives(True)` (or FULLSHARD_NATIVE_COLLECTIVES=1 in the environment) makes
+gloo groups take NCCL's code path: the backend's own all-gather (rank-major output, reordered
+by the bucket) and reduce-scatter (on packed chunks), so every line of it except CUDA streams
+runs in the CPU test suite. It is for tests only: on gloo those collectives are slower.
+
 A group of size 1 communicates nothing: those calls become local copies and are not counted.
 
 Asynchronous calls return a `CommHandle`; its `wait()` blocks until the data is in place (for
@@ -46,6 +75,7 @@ Gathers for the next unit and reductions of the previous one thus overlap comput
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -54,6 +84,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from fullshard.distributed.divergence import RankDivergenceError as RankDivergenceError
+from fullshard.distributed.divergence import divergence_message, exchange_id
+from fullshard.distributed.divergence import register_label as register_label
+from fullshard.distributed.divergence import tag as _tag
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "scatter")
 
@@ -128,19 +163,27 @@ def reset_comm_stats() -> None:
 class CommHandle:
     """A collective in flight. `wait()` is idempotent."""
 
-    __slots__ = ("_work", "_on_done", "_refs", "done")
+    __slots__ = ("_work", "_on_done", "_refs", "_header", "done")
 
     def __init__(
-        self, work: Any = None, on_done: Callable[[], None] | None = None, refs: tuple = ()
+        self,
+        work: Any = None,
+        on_done: Callable[[], None] | None = None,
+        refs: tuple = (),
+        header: _Header | None = None,
     ) -> None:
         self._work = work  # a Work, or a list of them (pairwise exchanges)
         self._on_done = on_done
         self._refs = refs  # keeps input/output alive until the collective is complete
+        self._header = header  # checked before any data is waited for
         self.done = work is None and on_done is None
 
     def wait(self) -> None:
         if self.done:
             return
+        if self._header is not None:
+            header, self._header = self._header, None
+            header.check()
         if isinstance(self._work, list):
             for w in self._work:
                 w.wait()
@@ -168,18 +211,61 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-_TAGS: dict[int, int] = {}
+_SEQ: dict[int, int] = {}
 
 
-def _next_tag(group: Group) -> int:
-    """Same sequence on every member, so concurrent exchanges never match the wrong peer."""
+def _next_seq(group: Group) -> int:
+    """The collective's position in the group's sequence: the same on every member as long
+    as they issue the same collectives in the same order (checked by the headers)."""
     key = id(group.pg)
-    _TAGS[key] = tag = (_TAGS.get(key, 0) + 1) % (1 << 30)
-    return tag
+    _SEQ[key] = seq = _SEQ.get(key, 0) + 1
+    return seq
+
+
+_NATIVE_ON_GLOO = os.environ.get("FULLSHARD_NATIVE_COLLECTIVES", "") == "1"
+
+
+def use_native_collectives(enabled: bool) -> bool:
+    """For tests only: make gloo groups use the backend's all-gather / reduce-scatter, i.e.
+    the NCCL code path (see the module docstring). Returns the previous setting."""
+    global _NATIVE_ON_GLOO
+    previous, _NATIVE_ON_GLOO = _NATIVE_ON_GLOO, bool(enabled)
+    return previous
 
 
 def _use_pairwise(group: Group) -> bool:
-    return group.backend == "gloo"
+    return group.backend == "gloo" and not _NATIVE_ON_GLOO
+
+
+class _Header:
+    """The 16-byte header of one labelled exchange: sent to and received from every peer."""
+
+    __slots__ = ("group", "mine", "theirs", "works")
+
+    def __init__(self, group: Group, seq: int, ident: int) -> None:
+        self.group = group
+        self.mine = torch.tensor([seq, ident], dtype=torch.int64)
+        self.theirs = torch.empty(group.size, 2, dtype=torch.int64)
+        tag = _tag(seq, 0, 0)
+        size, rank = group.size, group.rank
+        self.works = []
+        for step in range(1, size):
+            dst, src = (rank + step) % size, (rank - step) % size
+            into = self.theirs[src]
+            self.works.append(dist.isend(self.mine, group.ranks[dst], group=group.pg, tag=tag))
+            self.works.append(dist.irecv(into, group.ranks[src], group=group.pg, tag=tag))
+
+    @property
+    def seq(self) -> int:
+        return int(self.mine[0])
+
+    def check(self) -> None:
+        for w in self.works:
+            w.wait()
+        self.theirs[self.group.rank] = self.mine
+        if bool((self.theirs == self.mine).all()):
+            return
+        raise RankDivergenceError(divergence_message(self.seq, self.group.ranks, self.theirs))
 
 
 def gathers_segments(group: Group) -> bool:
@@ -194,6 +280,8 @@ def all_gather(
     *,
     async_op: bool = False,
     segments: Sequence[int] | None = None,
+    label: str | None = None,
+    check: bool = True,
 ) -> CommHandle:
     """Gather every rank's `input` into `output` (`group.size * input.numel()` elements).
 
@@ -203,51 +291,76 @@ def all_gather(
     rank, in rank order, then piece j+1 -- each parameter's rows contiguous, straight from
     the wire with no copy-out. That costs one message per piece and peer instead of one per
     peer; on gloo that is cheaper than copying the whole output once more.
+
+    `label` (e.g. the unit and bucket) goes into the tags and, with `check`, into a header
+    checked on gloo: see the note on ranks that run different units.
     """
     if group.size == 1:
         output.copy_(input.reshape(output.shape))
         return _DONE
     n = _nbytes(output)
     _COUNTERS.add("all_gather", n, n * (group.size - 1) / group.size)
+    seq, ident, header = _sequence(group, "all_gather", label, check)
     if _use_pairwise(group):
         size, rank = group.size, group.rank
         flat_in, flat_out = input.reshape(-1), output.view(-1)
         pieces = list(segments) if segments is not None else [flat_in.numel()]
         works, start = [], 0
-        for piece in pieces:
+        for j, piece in enumerate(pieces):
             mine = flat_in[start : start + piece]
             slots = flat_out[size * start : size * (start + piece)].view(size, piece)
             slots[rank].copy_(mine)
-            tag = _next_tag(group)
+            tag = _tag(seq, ident, j + 1)
             for step in range(1, size):
                 dst, src = (rank + step) % size, (rank - step) % size
                 works.append(dist.isend(mine, group.ranks[dst], group=group.pg, tag=tag))
                 works.append(dist.irecv(slots[src], group.ranks[src], group=group.pg, tag=tag))
             start += piece
-        handle = CommHandle(works, refs=(output, input))
+        handle = CommHandle(works, refs=(output, input), header=header)
     else:
         if segments is not None and len(segments) > 1:
             raise ValueError("segment-major all-gather needs gathers_segments(group)")
-        work = _all_gather_into(output, input, group=group.pg, async_op=async_op)
-        handle = CommHandle(work, refs=(output, input)) if async_op else _DONE
+        work = _all_gather_into(output, input, group=group.pg, async_op=True)
+        handle = CommHandle(work, refs=(output, input), header=header)
     return _settle(handle, async_op)
 
 
+def _sequence(
+    group: Group, kind: str, label: str | None, check: bool
+) -> tuple[int, int, _Header | None]:
+    """The collective's sequence number, its kind + label hash (for the tags) and the header
+    posted for it (gloo, labelled, `check`), if any."""
+    seq = _next_seq(group)
+    ident = exchange_id(kind, label or "")
+    if label is None or not check or group.backend != "gloo":
+        return seq, ident, None
+    return seq, ident, _Header(group, seq, ident)
+
+
 def reduce_scatter(
-    output: torch.Tensor, input: torch.Tensor, group: Group, *, async_op: bool = False
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Group,
+    *,
+    async_op: bool = False,
+    label: str | None = None,
+    check: bool = True,
 ) -> CommHandle:
     """Sum `input` (rank-major, `group.size` equal chunks) over the group; this rank's chunk of
-    the sum lands in `output`."""
+    the sum lands in `output`. (`label`, `check`: see `all_gather`.)"""
     if group.size == 1:
         output.copy_(input.reshape(output.shape))
         return _DONE
     if _use_pairwise(group):  # the packed input is one segment of `group.size` chunks
         flat = input.reshape(-1)
-        return reduce_scatter_segments(output, [flat], [output.numel()], group, async_op=async_op)
+        return reduce_scatter_segments(
+            output, [flat], [output.numel()], group, async_op=async_op, label=label, check=check
+        )
     n = _nbytes(input)
     _COUNTERS.add("reduce_scatter", n, n * (group.size - 1) / group.size)
-    work = _reduce_scatter_into(output, input, group=group.pg, async_op=async_op)
-    handle = CommHandle(work, refs=(output, input)) if async_op else _DONE
+    _, _, header = _sequence(group, "reduce_scatter", label, check)
+    work = _reduce_scatter_into(output, input, group=group.pg, async_op=True)
+    handle = CommHandle(work, refs=(output, input), header=header)
     return _settle(handle, async_op)
 
 
@@ -258,6 +371,8 @@ def reduce_scatter_segments(
     group: Group,
     *,
     async_op: bool = False,
+    label: str | None = None,
+    check: bool = True,
 ) -> CommHandle:
     """A reduce-scatter of tensors that were never packed (only where `gathers_segments(group)`).
 
@@ -276,16 +391,17 @@ def reduce_scatter_segments(
     if not gathers_segments(group):
         raise ValueError("reduce_scatter_segments needs gathers_segments(group)")
     size, rank = group.size, group.rank
+    seq, ident, header = _sequence(group, "reduce_scatter", label, check)
     direct = size == 2
     # Received chunks of the peers in rank order (row r - (r > rank)); none on two ranks.
     received = None if direct else output.new_empty((size - 1, output.numel()))
     flat_out = output.view(-1)
     works, wire, offset, plan = [], 0, 0, []
-    for x, n in zip(inputs, sizes):
+    for j, (x, n) in enumerate(zip(inputs, sizes)):
         x = x.view(-1)
         real = [max(0, min(n, x.numel() - r * n)) for r in range(size)]  # rank r's elements
         mine = real[rank]
-        tag = _next_tag(group)
+        tag = _tag(seq, ident, j + 1)
         for step in range(1, size):
             dst, src = (rank + step) % size, (rank - step) % size
             if real[dst] > 0:
@@ -315,7 +431,9 @@ def reduce_scatter_segments(
                     out.add_(part)
             flat_out[start + mine : start + n].zero_()
 
-    handle = CommHandle(works, on_done=sum_in_rank_order, refs=(output, tuple(inputs), received))
+    handle = CommHandle(
+        works, on_done=sum_in_rank_order, refs=(output, tuple(inputs), received), header=header
+    )
     return _settle(handle, async_op)
 
 
@@ -325,14 +443,22 @@ def all_reduce(
     *,
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     async_op: bool = False,
+    label: str | None = None,
+    check: bool = True,
 ) -> CommHandle:
-    """Reduce `tensor` in place over the group."""
+    """Reduce `tensor` in place over the group (`label`, `check`: see `all_gather`)."""
     if group.size == 1:
         return _DONE
     n = _nbytes(tensor)
     _COUNTERS.add("all_reduce", n, 2 * n * (group.size - 1) / group.size)
-    work = dist.all_reduce(tensor, op=op, group=group.pg, async_op=async_op)
-    return CommHandle(work, refs=(tensor,)) if async_op else _DONE
+    header = None
+    if label is not None and check and group.backend == "gloo":
+        _, _, header = _sequence(group, "all_reduce", label, check)
+    if header is None and not async_op:
+        dist.all_reduce(tensor, op=op, group=group.pg)
+        return _DONE
+    work = dist.all_reduce(tensor, op=op, group=group.pg, async_op=True)
+    return _settle(CommHandle(work, refs=(tensor,), header=header), async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Group) -> None:

@@ -96,6 +96,20 @@ class Bucket:
         # window was abandoned (see `accumulation_abandoned`).
         self._grad_marks: list[tuple[torch.nn.Parameter, torch.Tensor, int]] = []
         self._placeholder: torch.Tensor | None = None
+        self.label = ""  # names the unit and bucket in divergence errors (see set_label)
+        self.check_gather = self.check_reduce = True  # send comm's divergence header
+
+    def set_label(self, unit_name: str, index: int, *, first_trainable: bool) -> None:
+        """Name this bucket in its collectives, so ranks that run different units get an
+        error naming them (comm's note on ranks that run different units). Only a unit's
+        first bucket (first trainable one for reductions) sends the header: divergence starts
+        at a unit's first collective."""
+        self.check_gather, self.check_reduce = index == 0, first_trainable
+        more = f" and {len(self.params) - 1} more" if len(self.params) > 1 else ""
+        self.label = (
+            f"unit {unit_name or '<root>'!r} (bucket {index}: {self.params[0].fqn}{more})"
+        )
+        comm.register_label(self.label)
 
     # -- layout -----------------------------------------------------------------------------
     def padded_shard(self, p: ShardedParam) -> torch.Tensor:
@@ -164,7 +178,8 @@ class Bucket:
             segments = [p.layout.padded_shard_numel for p in self.params]
         self._segmented = segments is not None
         self._gather_handle = comm.all_gather(
-            out, send, self.mesh.shard, async_op=async_op, segments=segments
+            out, send, self.mesh.shard, async_op=async_op, segments=segments, label=self.label,
+            check=self.check_gather,
         )
 
     def finish_gather(self) -> torch.Tensor:
@@ -357,17 +372,23 @@ class PendingReduction:
         if mesh.shard.size == 1:
             assert packed is not None
             self.output = packed  # already this rank's (only) chunk
-            self._handle = comm.all_reduce(packed, mesh.replicate, async_op=True)
+            self._handle = comm.all_reduce(
+                packed, mesh.replicate, async_op=True, label=bucket.label, check=bucket.check_reduce
+            )
             self._replicate_pending = False
         else:
             self.output = torch.empty(bucket.numel, dtype=bucket.reduce_dtype, device=bucket.device)
             if packed is not None:
-                self._handle = comm.reduce_scatter(self.output, packed, mesh.shard, async_op=True)
+                self._handle = comm.reduce_scatter(
+                    self.output, packed, mesh.shard, async_op=True,
+                    label=bucket.label, check=bucket.check_reduce,
+                )
             else:
                 assert unpacked is not None
                 sizes = [p.layout.padded_shard_numel for p in bucket.params]
                 self._handle = comm.reduce_scatter_segments(
-                    self.output, unpacked, sizes, mesh.shard, async_op=True
+                    self.output, unpacked, sizes, mesh.shard, async_op=True,
+                    label=bucket.label, check=bucket.check_reduce,
                 )
             self._replicate_pending = mesh.replicate.size > 1
 
@@ -376,7 +397,13 @@ class PendingReduction:
         self._handle.wait()  # the handle held the reduce input until now
         if self._replicate_pending:
             self._replicate_pending = False
-            self._handle = comm.all_reduce(self.output, self.bucket.mesh.replicate, async_op=True)
+            self._handle = comm.all_reduce(
+                self.output,
+                self.bucket.mesh.replicate,
+                async_op=True,
+                label=self.bucket.label,
+                check=self.bucket.check_reduce,
+            )
             return False
         return True
 

@@ -8,9 +8,22 @@ The unit is sharded right after, so only one unit's full parameters exist at a t
 
 The order is fixed, so every rank draws the same random numbers and all ranks hold slices of
 one model; it equals a model built eagerly whose modules are reset in the same order. Tied
-parameters stay tied (the new tensor replaces the meta one in every module holding it; the
-last module to reset it decides its value). A module with meta tensors and no
-`reset_parameters` is an error naming it.
+parameters stay tied (the new tensor replaces the meta one in every module holding it).
+
+Tied across units: a parameter is initialized by the modules of its *owning* unit (the
+innermost unit holding every use, materialized first); among those, the last to reset it
+decides. A module of a later unit that also holds it (an LM head inside a block, tied to the
+root's embedding) still runs its `reset_parameters()` -- on a scratch tensor of the full shape
+put in its place for the call, so the random numbers drawn stay those of the eager model --
+but cannot overwrite the owner's value, which by then is this rank's shard (re-initializing a
+shard would draw different values on each rank).
+
+Nothing may stay uninitialized: `torch.empty` memory differs per rank, so every tensor
+materialized here is first filled with a sentinel (NaN; the lowest value for integers) and
+must afterwards have been written by some `reset_parameters()` of the unit (its version
+counter moved, it was replaced, or its values changed). Otherwise a `ValueError` names each
+such parameter or buffer, its module, and the fix. (torch's FSDP leaves such memory as is.)
+A module with meta tensors and no `reset_parameters` is an error naming it.
 
 With torch FSDP's `param_init_fn`, that function is called instead on each module of the unit
 that still has meta tensors (in the same order), and must materialize it (e.g.
@@ -20,12 +33,46 @@ re-registered in every module holding it when the unit is sharded.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from fullshard.engine.wrap import ParamOwnership
+
+# Full shapes of the model's meta parameters, by (id(module), attribute), recorded before any
+# is sharded: a later unit's module holding a foreign (already sharded) tied parameter is
+# reset on a scratch tensor of this shape.
+_FULL_SHAPES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, str], torch.Size]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _record_full_shapes(root: nn.Module) -> dict[tuple[int, str], torch.Size]:
+    shapes = _FULL_SHAPES.setdefault(root, {})
+    for m in root.modules():
+        for name, p in m._parameters.items():
+            if p is not None and p.is_meta:
+                shapes.setdefault((id(m), name), p.shape)
+    return shapes
+
+
+def _fill_sentinel(t: torch.Tensor) -> None:
+    if t.dtype == torch.bool:
+        t.fill_(True)
+    elif t.is_floating_point() or t.is_complex():
+        t.fill_(float("nan"))
+    else:
+        t.fill_(torch.iinfo(t.dtype).min)
+
+
+def _still_sentinel(t: torch.Tensor) -> bool:
+    if t.dtype == torch.bool:
+        return bool(t.all())
+    if t.is_floating_point() or t.is_complex():
+        return bool(torch.isnan(t).all())
+    return bool((t == torch.iinfo(t.dtype).min).all())
 
 
 def _unit_modules(unit_module: nn.Module, unit_ids: set[int]) -> list[nn.Module]:
@@ -76,18 +123,47 @@ def materialize_unit(
                 f"Implement reset_parameters() (initializing only its own parameters and "
                 f"buffers, not its children's), or build the model on a real device."
             )
+    full_shapes = _record_full_shapes(root) if to_reset else {}
+    # Every tensor materialized here: (module, kind, attribute, tensor, version after the fill).
+    fresh: list[tuple[nn.Module, str, str, torch.Tensor, int]] = []
     for module in to_reset:
         for name, p in list(module._parameters.items()):
             if p is None or not p.is_meta:
                 continue
             new = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+            _fill_sentinel(new)
+            fresh.append((module, "parameter", name, new, new._version))
             for holder, attr in refs_by_param.get(id(p), [(module, name)]):
                 holder._parameters[attr] = new
         for name, b in list(module._buffers.items()):
             if b is not None and b.is_meta:
-                module._buffers[name] = torch.empty_like(b, device=device)
+                new_b = torch.empty_like(b, device=device)
+                _fill_sentinel(new_b)
+                fresh.append((module, "buffer", name, new_b, new_b._version))
+                module._buffers[name] = new_b
+    # Parameters of other units (tied, already materialized and sharded) held by modules about
+    # to be reset: a scratch stand-in of the full shape takes the reset's writes.
+    own = {id(o.current) for o in owned}
+    swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
+    scratch: dict[int, nn.Parameter] = {}
     for module in to_reset:
-        module.reset_parameters()
+        for name, p in list(module._parameters.items()):
+            if p is None or p.is_meta or id(p) in own:
+                continue
+            if id(p) not in scratch:
+                shape = full_shapes.get((id(module), name), p.shape)
+                scratch[id(p)] = nn.Parameter(
+                    torch.empty(shape, dtype=p.dtype, device=device), requires_grad=False
+                )
+            swapped.append((module, name, p))
+            module._parameters[name] = scratch[id(p)]
+    try:
+        for module in to_reset:
+            module.reset_parameters()
+    finally:
+        for module, name, p in swapped:
+            module._parameters[name] = p
+    _check_initialized(fresh, names)
     _check_materialized(owned)
 
 
@@ -98,4 +174,30 @@ def _check_materialized(owned: Sequence[ParamOwnership]) -> None:
             f"Parameters {still_meta} are still on the meta device after materializing their "
             f"unit: they are held only by modules of other units (a weight tied across units). "
             f"Materialize the model before fsdp(), or tie within one unit."
+        )
+
+
+def _check_initialized(
+    fresh: Sequence[tuple[nn.Module, str, str, torch.Tensor, int]], names: dict[int, str]
+) -> None:
+    """Raise naming every materialized tensor no reset_parameters() wrote."""
+    missing = []
+    for module, kind, name, t, version in fresh:
+        table = module._parameters if kind == "parameter" else module._buffers
+        if table.get(name) is not t or t.numel() == 0:
+            continue  # replaced by the reset (a new tensor was assigned), or empty
+        if t._version != version or not _still_sentinel(t):
+            continue
+        prefix = names.get(id(module)) or ""
+        missing.append(
+            f"{kind} {(prefix + '.' if prefix else '') + name!r} of {type(module).__name__}"
+        )
+    if missing:
+        raise ValueError(
+            f"After materializing from the meta device, {', '.join(missing)} "
+            f"{'was' if len(missing) == 1 else 'were'} not set by any reset_parameters(): the "
+            f"memory would stay uninitialized and differ on every rank. Initialize "
+            f"{'it' if len(missing) == 1 else 'them'} in the module's reset_parameters() (e.g. "
+            f"`self.<name>.copy_(...)` / `.fill_(...)` under torch.no_grad()), or build the "
+            f"model on a real device (or load a checkpoint into it) before wrapping."
         )

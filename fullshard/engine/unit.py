@@ -98,6 +98,8 @@ class Unit:
         self.name = name
         self.buckets = list(buckets)
         self.params: list[ShardedParam] = [p for b in self.buckets for p in b.params]
+        for i, b in enumerate(self.buckets):
+            b.set_label(name, i, first_trainable=False)  # refresh_requires_grad picks the first
         self._flags: tuple[bool, ...] = ()
         # Set by refresh_requires_grad from the parameters' current flags:
         self.trainable_params: list[ShardedParam] = []
@@ -161,6 +163,8 @@ class Unit:
             mask = tuple(p.param.requires_grad for p in b.params)
             if any(mask):
                 self.routing.append((b, mask))
+        for b in self.buckets:  # divergence header on the unit's first reduction only
+            b.check_reduce = bool(self.routing) and b is self.routing[0][0]
         self.trainable_params = [p for b, mask in self.routing for p, m in zip(b.params, mask) if m]
         self.cached_views = None
         self._acc_node = None

@@ -101,3 +101,56 @@ def _all_gather_segments() -> list[torch.Tensor]:
 def test_segmented_all_gather_lands_each_piece_in_place(group):
     for out, expected in group.run(_all_gather_segments):
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def _native_collectives() -> dict:
+    """The NCCL code path on gloo (`use_native_collectives`): the backend's own collectives."""
+    shard = comm.Group.from_process_group()
+    size, rank = shard.size, shard.rank
+    previous = comm.use_native_collectives(True)
+    try:
+        assert not comm.gathers_segments(shard)
+        comm.reset_comm_stats()
+        mine = torch.arange(5, dtype=torch.float32) + 100 * rank
+        gathered = torch.empty(5 * size)
+        comm.all_gather(gathered, mine, shard, async_op=True, label="g").wait()
+        packed = torch.arange(4 * size, dtype=torch.float32) * (rank + 1)
+        reduced = torch.empty(4)
+        comm.reduce_scatter(reduced, packed, shard, label="r")
+        stats = comm.comm_stats()
+    finally:
+        comm.use_native_collectives(previous)
+    total = sum(r + 1 for r in range(size))
+    return {
+        "gathered": gathered,
+        "want_gathered": torch.cat([torch.arange(5.0) + 100 * r for r in range(size)]),
+        "reduced": reduced,
+        "want_reduced": torch.arange(4 * size, dtype=torch.float32)[4 * rank : 4 * rank + 4]
+        * total,
+        "calls": {k: stats[k]["calls"] for k in ("all_gather", "reduce_scatter")},
+    }
+
+
+def test_native_collectives_switch_runs_the_backend_collectives(group):
+    for got in group.run(_native_collectives):
+        torch.testing.assert_close(got["gathered"], got["want_gathered"], rtol=0, atol=0)
+        torch.testing.assert_close(got["reduced"], got["want_reduced"], rtol=0, atol=0)
+        assert got["calls"] == {"all_gather": 1, "reduce_scatter": 1}
+
+
+def _diverging_labels() -> str:
+    """Two ranks label their k-th exchange differently: both raise, before any data moves."""
+    shard = comm.Group.from_process_group()
+    out = torch.empty(3 * shard.size)
+    for label in ("unit 0", "unit 1"):  # as the engine registers every bucket at wrap time
+        comm.register_label(label)
+    try:
+        comm.all_gather(out, torch.ones(3), shard, label=f"unit {shard.rank % 2}")
+    except comm.RankDivergenceError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_label_mismatch_raises_on_every_rank(group):
+    for msg in group.run(_diverging_labels):
+        assert "the all_gather of unit 0" in msg and "the all_gather of unit 1" in msg, msg

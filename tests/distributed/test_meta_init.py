@@ -6,8 +6,13 @@
   `named_modules()` order, skipping nested units (see engine/materialize.py) -- through the
   three doors: `torch.device("meta")` + `fsdp()`, `FSDPStrategy.module_init_context(
   empty_init=True)` and `Fabric.init_module(empty_init=True)`;
-- a module with meta tensors and no `reset_parameters` is an error naming it; an optimizer
-  built on meta parameters before setup is an error that says what to do instead;
+- a module with meta tensors and no `reset_parameters` is an error naming it; so is every
+  parameter or buffer no `reset_parameters` sets (its memory would differ per rank), while
+  writes through `.data` or a fresh assignment count as set; an optimizer built on meta
+  parameters before setup is an error that says what to do instead;
+- a weight tied across units (the root's embedding, a head inside a block unit) keeps the
+  value its owning unit's reset gave it: the later unit's reset runs on a scratch tensor and
+  draws the same random numbers as the eager model;
 - a model whose full size exceeds a stated per-rank budget initializes within that budget:
   peak RSS growth (sampled while it runs) plus what the engine still holds unsharded.
 
@@ -194,11 +199,80 @@ def test_tied_weight_last_reset_decides(group) -> None:
     assert all(group.run(_tied))
 
 
+class HeadBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(4)
+        self.head = nn.Linear(4, 7)
+
+
+class TiedAcrossUnits(nn.Module):
+    """The root owns the embedding; a block unit's head reuses its weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(7, 4)
+        self.block = HeadBlock()
+        self.block.head.weight = self.emb.weight
+
+
+def _tied_across_units() -> dict:
+    torch.manual_seed(3)
+    ref = TiedAcrossUnits()
+    torch.manual_seed(0)
+    with torch.no_grad():  # materialization order: root unit (emb), then the block's modules
+        ref.emb.reset_parameters()
+        owner_value = ref.emb.weight.clone()
+        ref.block.norm.reset_parameters()
+        ref.block.head.reset_parameters()  # draws its numbers, but the owner's value stands
+        ref.emb.weight.copy_(owner_value)
+    with torch.device("meta"):
+        model = TiedAcrossUnits()
+    torch.manual_seed(0)
+    model = fullshard.fsdp(model, device="cpu", auto_wrap_policy={HeadBlock})
+    runtime = model.fullshard_runtime
+    s, r = runtime.mesh.shard.size, runtime.mesh.shard.rank
+    refs = dict(ref.named_parameters())
+    diffs = {name: (p.detach() - local_rows(refs[name].detach(), s, r)).abs().max().item()
+             if p.numel() else 0.0 for name, p in model.named_parameters()}
+    return {"diffs": diffs, "tied": model.block.head.weight is model.emb.weight}
+
+
+def test_weight_tied_across_units_keeps_its_owners_init(group) -> None:
+    for r in group.run(_tied_across_units):
+        assert r["tied"]
+        assert set(r["diffs"]) == {"emb.weight", "block.norm.weight", "block.norm.bias",
+                                   "block.head.bias"}
+        assert all(d == 0.0 for d in r["diffs"].values()), r["diffs"]
+
+
 # -- errors -----------------------------------------------------------------------------------
 class NoReset(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.ones(3))
+
+
+class HalfReset(nn.Module):
+    """reset_parameters() sets `weight` only: `extra` and `table` would stay uninitialized."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(3))
+        self.extra = nn.Parameter(torch.empty(2))
+        self.register_buffer("table", torch.arange(4.0))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class FullReset(HalfReset):
+    """Sets everything, in the less common ways: through `.data` and by a fresh buffer."""
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+        self.extra.data.copy_(torch.tensor([2.0, 3.0]))
+        self.table = torch.arange(4.0)
 
 
 def _errors() -> dict:
@@ -209,6 +283,16 @@ def _errors() -> dict:
         fullshard.fsdp(model, device="cpu")
     except TypeError as e:
         out["no_reset"] = str(e)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(3, 3), HalfReset())
+    try:
+        fullshard.fsdp(model, device="cpu", auto_wrap_policy={HalfReset})
+    except ValueError as e:
+        out["uninitialized"] = str(e)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(3, 3), FullReset())
+    model = fullshard.fsdp(model, device="cpu", auto_wrap_policy={FullReset})
+    out["full_reset"] = (model[1].table.tolist(), torch.isnan(model[1].extra).any().item())
     fabric = Fabric(accelerator="cpu", devices=dist.get_world_size())
     fabric.launch()
     with fabric.init_module(empty_init=True):
@@ -226,6 +310,11 @@ def test_errors_name_the_module_and_the_fix(group) -> None:
         assert "Module '1.1' (NoReset)" in out["no_reset"]
         assert "no reset_parameters()" in out["no_reset"]
         assert "Implement reset_parameters()" in out["no_reset"]
+        msg = out["uninitialized"]
+        assert "parameter '1.extra' of HalfReset, buffer '1.table' of HalfReset" in msg, msg
+        assert "'1.weight'" not in msg and "not set by any reset_parameters()" in msg
+        assert "differ on every rank" in msg and "Initialize them in" in msg
+        assert out["full_reset"] == ([0.0, 1.0, 2.0, 3.0], False)
         msg = out["optimizer"]
         assert "meta-device parameters" in msg
         assert "fabric.setup_module(model)" in msg and "fabric.setup_optimizers" in msg

@@ -8,7 +8,11 @@ parameter shard equal the reference's rows to fp32 round-off (rtol=1e-5, atol=1e
 The matrix: world sizes 1-4 x {ZERO2, ZERO3, NO_SHARD} x {NONE, LAYER, BLOCK} bucketing for
 TinyGPT (tied embedding/head, one unit per Block) and OddMLP (dims 7, 13, 5, 1 and a 0-dim
 parameter, so ranks own uneven rows or none), with the full product on 2 ranks and a cover of
-every axis value on 3 and 4; HYBRID_SHARD on a (2, 2) mesh; ConvBNNet on 2 ranks. One process
+every axis value on 3 and 4; HYBRID_SHARD on a (2, 2) mesh; ConvBNNet on 2 ranks. The NCCL
+code path (`comm.use_native_collectives`: the backend's all-gather with the rank-major ->
+parameter-major reorder, reduce-scatter on packed chunks) runs its own matrix on gloo: every
+strategy and bucketing on 2 and 3 ranks (HYBRID on (2, 2)), 8 steps each, with the same
+collective counts, and a check that the native collectives really carried them. One process
 group per world size serves the whole module; each result is kept, so the cross-bucketing
 checks (same losses, fewer collectives) reuse the runs of the parity tests.
 """
@@ -19,6 +23,7 @@ from typing import Any, NamedTuple
 
 import pytest
 
+from fullshard.distributed import comm
 from fullshard.testing import DistributedGroup, ParityReport, check_parity
 from fullshard.testing.models import Block, ConvBNNet, OddMLP, TinyGPT
 
@@ -46,11 +51,17 @@ class Case(NamedTuple):
     bucketing: str
     optimizer: str = "sgd"
     mesh: tuple[int, int] | None = None
+    native: bool = False  # the NCCL code path, on gloo
 
     @property
     def id(self) -> str:
         strategy = self.strategy + (f"{self.mesh[0]}x{self.mesh[1]}" if self.mesh else "")
-        return f"w{self.world}-{self.model}-{strategy}-{self.bucketing}-{self.optimizer}"
+        native = "-native" if self.native else ""
+        return f"w{self.world}-{self.model}-{strategy}-{self.bucketing}-{self.optimizer}{native}"
+
+    @property
+    def steps(self) -> int:
+        return 8 if self.native else 20
 
 
 def _product(
@@ -103,7 +114,17 @@ ADAMW_CASES = [
     Case(2, "ConvBNNet", "ZERO3", "LAYER", "adamw"),
 ]
 
-CASES = sorted(SGD_CASES + ADAMW_CASES, key=lambda c: c.world)  # one group alive at a time
+# The NCCL algorithm on gloo (SGD, parameters checked): every strategy x bucketing on 2 ranks
+# (TinyGPT: tied weights, several units) and on 3 (OddMLP: uneven rows, ranks owning none).
+NATIVE_CASES = [
+    *[c._replace(native=True) for c in _product(2, ("TinyGPT",))],
+    *[c._replace(native=True) for c in _product(3, ("OddMLP",))],
+    Case(3, "TinyGPT", "ZERO3", "BLOCK", native=True),
+    *[Case(4, "TinyGPT", "HYBRID_SHARD", b, mesh=(2, 2), native=True) for b in BUCKETINGS],
+]
+
+# one group alive at a time
+CASES = sorted(SGD_CASES + ADAMW_CASES + NATIVE_CASES, key=lambda c: c.world)
 
 
 # -- rank side --------------------------------------------------------------------------------
@@ -117,14 +138,42 @@ def _train(case: Case) -> ParityReport:
     }
     if case.mesh is not None:
         kwargs["device_mesh"] = case.mesh
-    return check_parity(
-        MODELS[case.model],
-        steps=20,
-        optimizer=case.optimizer,
-        check_params=case.optimizer == "sgd" or case.model == "OddMLP",
-        reference_per_rank=case.model == "ConvBNNet",
-        **kwargs,
-    )
+    native_calls = {"all_gather": 0, "reduce_scatter": 0, "isend": 0}
+    saved = (comm._all_gather_into, comm._reduce_scatter_into, comm.dist.isend)
+    previous = comm.use_native_collectives(case.native)
+
+    def counting(kind: str, fn):  # type: ignore[no-untyped-def]
+        def call(*args, **kw):  # type: ignore[no-untyped-def]
+            native_calls[kind] += 1
+            return fn(*args, **kw)
+
+        return call
+
+    if case.native:  # count what really went to the backend (the calls still happen)
+        comm._all_gather_into = counting("all_gather", saved[0])
+        comm._reduce_scatter_into = counting("reduce_scatter", saved[1])
+        comm.dist.isend = counting("isend", saved[2])
+    try:
+        report = check_parity(
+            MODELS[case.model],
+            steps=case.steps,
+            optimizer=case.optimizer,
+            check_params=case.optimizer == "sgd" or case.model == "OddMLP",
+            reference_per_rank=case.model == "ConvBNNet",
+            **kwargs,
+        )
+    finally:
+        comm.use_native_collectives(previous)
+        comm._all_gather_into, comm._reduce_scatter_into, comm.dist.isend = saved
+    if case.native:
+        # Every all-gather and reduce-scatter the engine counted went through the backend's
+        # collective; point-to-point sends carried only the 16-byte divergence headers.
+        counted = {k: sum(step[k] for step in report.calls_per_step)
+                   for k in ("all_gather", "reduce_scatter")}
+        assert counted == {k: native_calls[k] for k in counted}, (counted, native_calls)
+        assert counted["all_gather"] + counted["reduce_scatter"] > 0 or case.strategy == "NO_SHARD"
+        assert native_calls["isend"] > 0  # the divergence headers
+    return report
 
 
 # -- test side --------------------------------------------------------------------------------
@@ -184,7 +233,7 @@ def test_parity(run_case, case: Case) -> None:  # type: ignore[no-untyped-def]
     reports = run_case(case)  # check_parity asserted the numerics on every rank
     assert len(reports) == case.world
     for rank, report in enumerate(reports):
-        assert len(report.losses) == 20
+        assert len(report.losses) == case.steps
         # Every rank saw the same global loss (it is all-reduced) and the same reference.
         assert report.losses == reports[0].losses, f"rank {rank}"
         assert report.reference_losses == reports[0].reference_losses, f"rank {rank}"
@@ -217,15 +266,16 @@ _TRIPLES = sorted(
 def test_bucketing_changes_only_the_collectives(run_case, triple: Case) -> None:  # type: ignore[no-untyped-def]
     runs = {b: run_case(triple._replace(bucketing=b)) for b in BUCKETINGS}
     losses = {b: r[0].losses for b, r in runs.items()}
-    if triple.world <= 2 or triple.strategy != "NO_SHARD":
+    if triple.world <= 2 or (triple.strategy != "NO_SHARD" and not triple.native):
         # Same numbers, bit for bit. Gathers are copies; a sum of two terms does not depend
         # on their order; and a sharded reduction's input is rank-major, so gloo's ring sums
         # each element in an order set by the shard rank that owns it, whatever the bucket.
         assert losses["LAYER"] == losses["NONE"] and losses["BLOCK"] == losses["NONE"], losses
     else:
-        # NO_SHARD all-reduces the parameters' gradients concatenated: with 3+ ranks an
-        # element's position in the buffer, which bucketing changes, sets the order in which
-        # the ring adds its terms, so the losses agree to float round-off only.
+        # NO_SHARD all-reduces the parameters' gradients concatenated (and gloo's native
+        # reduce-scatter is an all-reduce too): with 3+ ranks an element's position in the
+        # buffer, which bucketing changes, sets the order in which the ring adds its terms, so
+        # the losses agree to float round-off only.
         for b in ("LAYER", "BLOCK"):
             assert losses[b] == pytest.approx(losses["NONE"], rel=1e-6, abs=1e-7), (b, losses)
     if triple.world > 1:

@@ -1,0 +1,66 @@
+"""Naming the exchanges of ranks that run different units (see comm.py's note on them).
+
+Pure bookkeeping, no communication: each exchange is identified by the crc32 of its kind and
+label (the unit and bucket), which goes into its point-to-point tags and its header; a
+registry turns identifiers back into words, so a rank can name the unit a peer ran even if it
+skipped that unit itself (the engine registers every bucket's label at wrap time); and the
+error that says which rank ran what.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+
+import torch
+
+
+class RankDivergenceError(RuntimeError):
+    """Ranks issued different collectives at the same position: they ran different units."""
+
+
+_LABELS: dict[int, str] = {}
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def exchange_id(kind: str, label: str) -> int:
+    """The identifier of a `kind` exchange labelled `label`, the same on every rank."""
+    ident = zlib.crc32(f"{kind}\0{label}".encode())
+    if ident not in _LABELS:
+        _LABELS[ident] = f"the {kind} of {label}" if label else f"an unlabelled {kind}"
+    return ident
+
+
+def register_label(label: str) -> None:
+    """Make `label` nameable in divergence errors even before this rank used it."""
+    for kind in KINDS:
+        exchange_id(kind, label)
+
+
+def tag(seq: int, ident: int, slot: int) -> int:
+    """Point-to-point tag of piece `slot` of collective `seq` whose kind + label hash to
+    `ident` (the header: ident 0, slot 0). A mix below 2**31; equal tags are harmless (gloo
+    matches them in posting order, the same on every rank that runs the same units)."""
+    return (seq * 0x9E3779B1 + ident * 0x85EBCA77 + slot * 0xC2B2AE3D) & 0x7FFFFFFF
+
+
+def divergence_message(seq: int, ranks: Sequence[int], headers: torch.Tensor) -> str:
+    """The error for collective `seq` of the group of global `ranks`, whose members sent the
+    `(seq, ident)` rows of `headers` (in group-rank order)."""
+    by_id: dict[int, list[int]] = {}
+    for r, g in enumerate(ranks):
+        by_id.setdefault(int(headers[r, 1]), []).append(g)
+    what = "; ".join(
+        f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: "
+        f"{_LABELS.get(i, f'an exchange with id {i:#x}')}"
+        for i, rs in by_id.items()
+    )
+    return (
+        f"Ranks ran different units: collective #{seq} on the process group of ranks "
+        f"{list(ranks)} is {what}. Every rank must run the same wrapped units in the same "
+        f"order each step (the engine gathers and reduces each unit collectively); a "
+        f"per-rank random LayerDrop, an expert skipped on some ranks only or a branch on "
+        f"the data diverges. Draw such decisions from a generator seeded the same on every "
+        f"rank (or agree on them with a collective), or run the unit on every rank and "
+        f"discard its output. The process group is unusable after this error: restart."
+    )
