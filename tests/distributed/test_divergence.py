@@ -99,7 +99,12 @@ def test_ranks_running_different_units_fail_fast_naming_them(groups, case) -> No
     assert sorted(failure.failures) == list(range(world))
     for rank, text in failure.failures.items():
         assert "RankDivergenceError: Ranks ran different units" in text, (rank, text)
-        assert "unit 'experts.1'" in text and "unit 'experts.2'" in text, (rank, text)
+        # The first mismatched exchange involves the skipped / swapped expert on one side;
+        # what the other side runs there depends on prefetch (LayerDrop: the rank that skipped
+        # experts.1 prefetched it in forward as recorded, so they part in backward).
+        assert "unit 'experts.1'" in text, (rank, text)
+        if "expert-" in case:
+            assert "unit 'experts.2'" in text, (rank, text)
     # Seconds, not the process group's timeout (120 s); generous for a loaded 2-core machine.
     assert elapsed < 45, elapsed
 
