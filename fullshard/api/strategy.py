@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from fullshard.api.compiled import uncompiled, unwrap_compiled
 from fullshard.api.functional import fsdp
 from fullshard.api.grad_norm import clip_grad_norm
 from fullshard.api.optimizer_setup import (
@@ -353,9 +354,11 @@ class FSDPStrategy:
         return (world // per_node, per_node)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        """Shard `module` in place with this strategy's options and return it."""
+        """Shard `module` in place with this strategy's options and return it (a compiled
+        module: its original, compiled again the same way; see `fullshard.api.compiled`)."""
+        module, recompile = unwrap_compiled(module)
         if isinstance(module, FullyShardedModule):
-            return module
+            return recompile(module)
         self.precision_plugin.convert_module(module)
         options: dict[str, Any] = dict(
             device=self.root_device,
@@ -370,7 +373,7 @@ class FSDPStrategy:
         wrapped = fsdp(module, **options)
         self.precision_plugin.install_forward_hooks(wrapped)
         self._modules.append(weakref.ref(wrapped))
-        return wrapped
+        return recompile(wrapped)
 
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: Sequence[Optimizer], scheduler: Any = None
@@ -383,7 +386,7 @@ class FSDPStrategy:
         optimizers = list(optimizers)
         for opt in optimizers:
             check_no_meta(opt)
-        if isinstance(module, FullyShardedModule):
+        if isinstance(uncompiled(module), FullyShardedModule):
             for opt in optimizers:
                 self.setup_optimizer(opt)
             return module, optimizers, scheduler
@@ -425,6 +428,7 @@ class FSDPStrategy:
         return contextlib.nullcontext()
 
     def _wrapped(self, module: nn.Module, what: str) -> nn.Module:
+        module = uncompiled(module)  # type: ignore[assignment]
         if not isinstance(module, FullyShardedModule):
             raise TypeError(
                 f"{what} needs a model set up by FSDPStrategy / fabric.setup(); got an "

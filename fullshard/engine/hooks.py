@@ -89,7 +89,8 @@ class Runtime:
         self.max_pending_reductions = max_pending_reductions
         self.input_dtype = input_dtype  # mixed precision: floating inputs of units cast to it
         self.sync_gradients = True
-        self.move_state_dict_to_cpu = True  # default of full_state_dict(cpu_offload=None)
+        self.move_state_dict_to_cpu = False  # default of full_state_dict(cpu_offload=None)
+        self.units_description = ""  # e.g. 'root + 2 x Block (default: repeated blocks)'
         self.pass_id = 0
         self.forward_order: list[Unit] = []
         self.forward_order_prev: list[Unit] = []

@@ -11,6 +11,12 @@ one model; it equals a model built eagerly whose modules are reset in the same o
 parameters stay tied (the new tensor replaces the meta one in every module holding it; the
 last module to reset it decides its value). A module with meta tensors and no
 `reset_parameters` is an error naming it.
+
+A root with an `_init_weights(module)` method (every Hugging Face `PreTrainedModel`) initializes
+the modules instead, as its own `post_init` does: it covers modules without
+`reset_parameters` (rotary embeddings' `inv_freq`, BERT's `position_ids`) and uses the model's
+own distributions. It is called children first, as transformers applies it, so a parent's
+override of a child's tensor (GPT-2's scaled `c_proj`) wins.
 """
 
 from __future__ import annotations
@@ -56,8 +62,9 @@ def materialize_unit(
     # Decide which modules to reset before materializing anything: materializing a tied
     # parameter for its first holder must not make a later holder look already initialized.
     to_reset = [m for m in _unit_modules(unit_module, unit_ids) if _has_meta(m)]
+    model_init = getattr(root, "_init_weights", None)
     for module in to_reset:
-        if not callable(getattr(module, "reset_parameters", None)):
+        if not callable(model_init) and not callable(getattr(module, "reset_parameters", None)):
             raise TypeError(
                 f"Module {names.get(id(module)) or '<root>'!r} ({type(module).__name__}) has "
                 f"tensors on the meta device but no reset_parameters() to initialize them. "
@@ -74,8 +81,12 @@ def materialize_unit(
         for name, b in list(module._buffers.items()):
             if b is not None and b.is_meta:
                 module._buffers[name] = torch.empty_like(b, device=device)
-    for module in to_reset:
-        module.reset_parameters()
+    if callable(model_init):
+        for module in reversed(to_reset):  # children before their parents
+            model_init(module)
+    else:
+        for module in to_reset:
+            module.reset_parameters()
     still_meta = [o.name for o in owned if o.current.is_meta]
     if still_meta:
         raise ValueError(

@@ -38,7 +38,7 @@ from fullshard.engine.materialize import materialize_unit
 from fullshard.engine.module import mark_wrapped
 from fullshard.engine.sharded_param import ShardedParam
 from fullshard.engine.unit import Unit
-from fullshard.engine.wrap import ParamOwnership, assign_params, select_units
+from fullshard.engine.wrap import ParamOwnership, assign_params, choose_units
 
 
 def shard_module(
@@ -56,7 +56,8 @@ def shard_module(
     prefetch_limit: int,
     max_pending_reductions: int,
 ) -> Runtime:
-    unit_modules = select_units(model, auto_wrap_policy)
+    unit_choice = choose_units(model, auto_wrap_policy)
+    unit_modules = list(unit_choice.modules)
     owned = assign_params(model, unit_modules)
     names = {id(m): n for n, m in model.named_modules()}
     shard_rank_of_global: list[int] | None = None
@@ -102,12 +103,16 @@ def shard_module(
         max_pending_reductions=max_pending_reductions,
         input_dtype=input_dtype,
     )
+    runtime.units_description = unit_choice.describe()
+    # Under torch.compile the hooks run eagerly (they issue collectives and swap tensors):
+    # one clean graph break at each, instead of dynamo tracing into them and breaking inside.
+    eager = torch.compiler.disable
     for unit in units:
         unit.module.register_forward_pre_hook(
-            functools.partial(runtime.pre_forward, unit), prepend=True, with_kwargs=True
+            eager(functools.partial(runtime.pre_forward, unit)), prepend=True, with_kwargs=True
         )
         unit.module.register_forward_hook(
-            functools.partial(runtime.post_forward, unit), always_call=True
+            eager(functools.partial(runtime.post_forward, unit)), always_call=True
         )
     apply_activation_checkpointing(model, activation_checkpointing_policy, runtime)
     mark_wrapped(model, runtime)
