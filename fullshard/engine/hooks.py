@@ -104,6 +104,10 @@ class Runtime:
         # data_ptr of a gathered bucket buffer -> (unit, bucket); only for buckets whose
         # unsharded buffer is not the shard itself (shard-axis size > 1).
         self._storage_owner: dict[int, tuple[Unit, Bucket]] = {}
+        # Under torch.compile the pack/unpack hooks run eagerly: dynamo cannot trace storage
+        # pointers and would otherwise try (and recompile) on every tensor autograd saves.
+        self._pack_eager = torch.compiler.disable(self._pack)
+        self._unpack_eager = torch.compiler.disable(self._unpack)
 
     # -- gather / release bookkeeping -------------------------------------------------------
     def _wait(self, unit: Unit) -> None:
@@ -134,7 +138,9 @@ class Runtime:
         with_grad = torch.is_grad_enabled()
         unit.install(self, with_grad=with_grad, pass_id=self.pass_id)
         if unit is self.root and self._wants_saved_tensor_hooks(with_grad, recomputing):
-            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(
+                self._pack_eager, self._unpack_eager
+            )
             self._saved_hooks.__enter__()
         if self.input_dtype is not None:
             return _cast_floating((args, kwargs), self.input_dtype)

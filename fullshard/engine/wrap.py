@@ -39,11 +39,6 @@ def normalize_policy(policy: object) -> WrapPolicy | None:
     """
     if policy is None or policy == ROOT_ONLY:
         return None
-    if isinstance(policy, str):
-        raise TypeError(
-            f"auto_wrap_policy={policy!r}: the only string accepted is {ROOT_ONLY!r} (the "
-            f"root as the only unit); give module classes as a set of classes, not names."
-        )
     classes = getattr(policy, "_module_classes", None)  # torch's ModuleWrapPolicy
     if classes is not None:
         policy = set(classes)
@@ -62,8 +57,9 @@ def normalize_policy(policy: object) -> WrapPolicy | None:
     if callable(policy) and not isinstance(policy, nn.Module):
         return policy  # type: ignore[return-value]
     raise TypeError(
-        f"auto_wrap_policy must be None, a set of nn.Module classes, a ModuleWrapPolicy or a "
-        f"callable (module, recurse, nonwrapped_numel) -> bool; got {type(policy).__name__}"
+        f"auto_wrap_policy must be None, a set of nn.Module classes, a ModuleWrapPolicy, a "
+        f"callable (module, recurse, nonwrapped_numel) -> bool, or {ROOT_ONLY!r} (the root "
+        f"as the only unit); got {type(policy).__name__} {policy!r}"
     )
 
 
