@@ -6,9 +6,10 @@
   `torch.compile(block)` before sharding, or `block.compile()` after) work too;
 
 each trains in parity with the eager single process (losses, local gradient and parameter
-shards, fp32 tolerances), runs the same collectives per step as eager fullshard, and
-reports its graph breaks: the hooks run eagerly (`torch.compiler.disable`), so a step of the
-whole model breaks only at the unit hooks, and ZeRO-3 keeps its memory inside compiled graphs. `aot_eager` for most cases (same kernels as eager,
+shards, fp32 tolerances), runs the same collectives per step as eager fullshard with the same
+peak of unsharded bytes (ZeRO-3 stays ZeRO-3 inside compiled graphs), compiles nothing new
+once warm, and reports its graph breaks: the hooks run eagerly (`torch.compiler.disable`),
+so nothing of the engine is traced. `aot_eager` for most cases (same kernels as eager,
 compiles fast); one case through inductor (C++ codegen on CPU).
 """
 
