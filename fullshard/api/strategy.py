@@ -79,7 +79,8 @@ class FSDPStrategy:
         cpu_offload: True / `CPUOffload` (ours or torch's).
         mixed_precision: `MixedPrecision` (ours or torch's); wins over `precision`.
         auto_wrap_policy: which modules become units: a set of module classes, torch's
-            `ModuleWrapPolicy`, or a callable `(module, recurse, nonwrapped_numel) -> bool`.
+            `ModuleWrapPolicy`, or a callable `(module, recurse, nonwrapped_numel) -> bool`;
+            default: `_no_split_modules`, else the repeated blocks; "root": the root alone.
         activation_checkpointing: deprecated; a module class or list of them.
         activation_checkpointing_policy: modules whose activations are recomputed in
             backward (same forms as `auto_wrap_policy`).

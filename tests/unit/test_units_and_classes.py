@@ -4,6 +4,7 @@
   convention), else the repeated blocks (children of an `nn.ModuleList` / `nn.Sequential` of
   >= 2 same-class modules with parameters; outermost containers only), else the root alone;
   `"root"` or an empty set asks for the root alone; the planner predicts the same units.
+- `fsdp(device=None)` is `cuda:LOCAL_RANK` when CUDA is available (thunder's default).
 - `fsdp()` on a class whose `__init_subclass__` evaluates type hints (as transformers'
   `PreTrainedModel` does) or whose metaclass records subclasses works, keeps the class name,
   and the repr names the units.
@@ -140,3 +141,23 @@ def test_class_that_inspects_its_subclasses(world1):
     )
     x = torch.randn(3, 4)
     assert model(x).shape == (3, 4)
+
+
+# -- thunder's device default ----------------------------------------------------------------
+
+
+def test_default_device_is_cuda_local_rank(monkeypatch):
+    from fullshard.api.functional import default_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert default_device() == torch.device("cuda", 1)  # not the current device (0)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(ValueError, match=r"LOCAL_RANK='2' is not one of this machine's 2 CUDA"):
+        default_device()
+    monkeypatch.delenv("LOCAL_RANK")
+    assert default_device() == torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_device() == torch.device("cpu")
