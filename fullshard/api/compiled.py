@@ -15,7 +15,8 @@ break) where they issue collectives.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import nn
@@ -58,6 +59,25 @@ def uncompiled(module: object) -> object:
     while is_compiled(module):
         module = module._orig_mod  # type: ignore[union-attr]
     return module
+
+
+@contextlib.contextmanager
+def uncompiled_entries(state: Any) -> Iterator[Any]:
+    """For checkpoint code, which inspects modules: `state` with every compiled module
+    replaced by the module it wraps (so keys carry no `_orig_mod.` and sharded models are
+    recognised). A dict is changed in place and restored on exit, so plain values that a
+    load writes into it stay there."""
+    if not isinstance(state, dict):
+        yield uncompiled(state)
+        return
+    swapped = {k: v for k, v in state.items() if is_compiled(v)}
+    for k, v in swapped.items():
+        state[k] = uncompiled(v)
+    try:
+        yield state
+    finally:
+        for k, v in swapped.items():
+            state[k] = v
 
 
 def _identity(module: nn.Module) -> nn.Module:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from fullshard.api.compiled import uncompiled, unwrap_compiled
+from fullshard.api.compiled import uncompiled, uncompiled_entries, unwrap_compiled
 from fullshard.api.functional import fsdp
 from fullshard.api.grad_norm import clip_grad_norm
 from fullshard.api.optimizer_setup import (
@@ -546,8 +546,9 @@ class FSDPStrategy:
             )
         # How long the call waits for the other ranks to call it too: the group's timeout.
         timeout = self._timeout.total_seconds() if self._timeout is not None else 1800.0
-        save_checkpoint(path, state, state_dict_type=self._state_dict_type, filter=filter,
-                        timeout=timeout)
+        with uncompiled_entries(state) as state:
+            save_checkpoint(path, state, state_dict_type=self._state_dict_type, filter=filter,
+                            timeout=timeout)
 
     def load_checkpoint(
         self,
@@ -560,7 +561,8 @@ class FSDPStrategy:
         from fullshard.checkpoint import load_checkpoint
 
         timeout = self._timeout.total_seconds() if self._timeout is not None else 1800.0
-        return load_checkpoint(path, state, strict=strict, timeout=timeout)
+        with uncompiled_entries(state) as state:
+            return load_checkpoint(path, state, strict=strict, timeout=timeout)
 
     def __repr__(self) -> str:
         return (
