@@ -37,7 +37,7 @@ def normalize_policy(policy: object) -> WrapPolicy | None:
     `policy=None` (the default units) is resolved per model by `choose_units`; here it is
     only validated, like every other spelling.
     """
-    if policy is None or policy == ROOT_ONLY:
+    if policy is None or _is_root_only(policy):
         return None
     classes = getattr(policy, "_module_classes", None)  # torch's ModuleWrapPolicy
     if classes is not None:
@@ -74,8 +74,8 @@ class UnitChoice:
 
     def describe(self) -> str:
         """E.g. 'root + 4 x Block (default: repeated blocks)'."""
-        return f"{describe_unit_classes(type(m).__name__ for m in self.modules[1:])} " \
-               f"({self.reason})"
+        units = describe_unit_classes(type(m).__name__ for m in self.modules[1:])
+        return f"{units} ({self.reason})"
 
 
 def describe_unit_classes(class_names: Iterable[str]) -> str:
@@ -109,6 +109,10 @@ def default_unit_modules(root: nn.Module) -> tuple[list[nn.Module], str]:
     if blocks:
         return blocks, "default: repeated blocks"
     return [], "default: root only, no repeated blocks found"
+
+
+def _is_root_only(policy: object) -> bool:
+    return isinstance(policy, str) and policy == ROOT_ONLY
 
 
 def _is_repeated_blocks(module: nn.Module) -> bool:

@@ -118,7 +118,7 @@ def resolve_model(model: object, auto_wrap_policy: object = None) -> ResolvedMod
             f"plan() expects an nn.Module, a factory callable, a built-in config name or "
             f"'package.module:factory'; got {type(model).__name__}: {model!r}"
         )
-    if auto_wrap_policy == ROOT_ONLY or auto_wrap_policy == [ROOT_ONLY]:
+    if isinstance(auto_wrap_policy, str | list) and auto_wrap_policy in (ROOT_ONLY, [ROOT_ONLY]):
         return ResolvedModel(name, module, ROOT_ONLY, "root only", built)
     if _is_names(auto_wrap_policy):
         classes = _classes_named(module, auto_wrap_policy)  # type: ignore[arg-type]
