@@ -104,10 +104,6 @@ class Runtime:
         # data_ptr of a gathered bucket buffer -> (unit, bucket); only for buckets whose
         # unsharded buffer is not the shard itself (shard-axis size > 1).
         self._storage_owner: dict[int, tuple[Unit, Bucket]] = {}
-        # Under torch.compile the pack/unpack hooks run eagerly: dynamo cannot trace storage
-        # pointers and would otherwise try (and recompile) on every tensor autograd saves.
-        self._pack_eager = torch.compiler.disable(self._pack)
-        self._unpack_eager = torch.compiler.disable(self._unpack)
 
     # -- gather / release bookkeeping -------------------------------------------------------
     def _wait(self, unit: Unit) -> None:
@@ -139,7 +135,7 @@ class Runtime:
         unit.install(self, with_grad=with_grad, pass_id=self.pass_id)
         if unit is self.root and self._wants_saved_tensor_hooks(with_grad, recomputing):
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(
-                self._pack_eager, self._unpack_eager
+                self._pack_hook, self._unpack_hook
             )
             self._saved_hooks.__enter__()
         if self.input_dtype is not None:
@@ -203,6 +199,16 @@ class Runtime:
                 nxt.start_gather(async_op=True)
 
     # -- ZeRO-3 saved tensors ---------------------------------------------------------------
+    # Under torch.compile the hooks run eagerly: dynamo cannot trace storage pointers and
+    # would otherwise try (and recompile) on every tensor autograd saves.
+    @torch.compiler.disable
+    def _pack_hook(self, t: torch.Tensor) -> Any:
+        return self._pack(t)
+
+    @torch.compiler.disable
+    def _unpack_hook(self, saved: Any) -> torch.Tensor:
+        return self._unpack(saved)
+
     def _pack(self, t: torch.Tensor) -> Any:
         owner = self._storage_owner.get(t.untyped_storage().data_ptr())
         if owner is None or t.dtype != owner[1].compute_dtype:
