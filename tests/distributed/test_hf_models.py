@@ -158,6 +158,7 @@ def _fabric_empty_init() -> dict:
             model = build()
         assert all(p.is_meta for p in model.parameters())
         model = fabric.setup(model)
+        assert "(default: _no_split_modules)" in repr(model).splitlines()[1]  # the strategy's
         assert not any(t.is_meta for t in (*model.parameters(), *model.buffers()))
         for (bn, b), (rn, rb) in zip(model.named_buffers(), ref.named_buffers()):
             assert bn == rn and torch.equal(b, rb), f"{name}: buffer {bn} differs"
