@@ -6,12 +6,14 @@ hands everything to `engine.sharding.shard_module`. It owns no sharding logic.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from fullshard.api.compiled import unwrap_compiled
 from fullshard.config import (
     CPUOffload,
     FSDPBucketingStrategy,
@@ -27,10 +29,20 @@ from fullshard.engine.sharding import shard_module
 
 
 def default_device() -> torch.device:
-    """The current CUDA device when CUDA is available, else the CPU."""
-    if torch.cuda.is_available():
+    """thunder's default: `cuda:LOCAL_RANK` when CUDA is available (the current CUDA device
+    when LOCAL_RANK is unset, where thunder raises a KeyError), else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is None:
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    if not local_rank.isdigit() or int(local_rank) >= torch.cuda.device_count():
+        raise ValueError(
+            f"fsdp(device=None) places the shards on cuda:LOCAL_RANK, but LOCAL_RANK="
+            f"{local_rank!r} is not one of this machine's {torch.cuda.device_count()} CUDA "
+            f"devices. Pass device= explicitly or fix LOCAL_RANK."
+        )
+    return torch.device("cuda", int(local_rank))
 
 
 def fsdp(
@@ -56,15 +68,19 @@ def fsdp(
     """Shard `model` in place over the default process group and return it.
 
     Args:
-        device: where the shards live (default: the current CUDA device, else CPU).
+        device: where the shards live (default, as thunder: `cuda:LOCAL_RANK` when CUDA is
+            available, else CPU).
         broadcast_from: a global rank whose parameter and buffer values become everyone's;
             each rank receives only its own shard (one scatter per bucket).
         sharding_strategy: `FSDPType.ZERO3` / `ZERO2`, or a `ShardingStrategy` (also torch's)
             or its name: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD.
         bucketing_strategy: `FSDPBucketingStrategy` NONE (a collective per parameter), LAYER
             (per leaf module) or BLOCK (per unit), or its name.
-        move_state_dict_to_cpu: default of `full_state_dict(cpu_offload=...)` (None: True).
-        auto_wrap_policy: which modules become units (see `fullshard.engine.wrap`).
+        move_state_dict_to_cpu: default of `full_state_dict(cpu_offload=...)` and of
+            `model.original_state_dict()` (None: False, thunder's default).
+        auto_wrap_policy: which modules become units (see `fullshard.engine.wrap`); default:
+            the classes in `_no_split_modules` (Hugging Face), else the repeated blocks;
+            "root" for the whole model as one unit.
         mixed_precision: `MixedPrecision` (or torch's): gather in `param_dtype`, reduce in
             `reduce_dtype`; shards, `.grad` and the optimizer stay in the parameters' dtype.
         cpu_offload: True / `CPUOffload(offload_params=True)`: shards, gradients and optimizer
@@ -85,9 +101,12 @@ def fsdp(
 
     After the call, `model.named_parameters()` yields this rank's shards under the original
     names: build the optimizer afterwards. Gradients are averaged over all ranks, as DDP does.
+    A `torch.compile`d model is unwrapped, its original sharded in place, and the result
+    compiled again with the same options (see `fullshard.api.compiled`).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fsdp() expects an nn.Module, got {type(model).__name__}")
+    model, recompile = unwrap_compiled(model)  # torch.compile'd: shard what it wraps
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "fullshard.fsdp() needs torch.distributed to be initialized. Call "
@@ -149,10 +168,8 @@ def fsdp(
         ignored=ignored,
         param_init_fn=param_init_fn,
     )
-    runtime.move_state_dict_to_cpu = True if move_state_dict_to_cpu is None else bool(
-        move_state_dict_to_cpu
-    )
-    return model
+    runtime.move_state_dict_to_cpu = bool(move_state_dict_to_cpu)  # None: False (thunder)
+    return recompile(model)
 
 
 def _as_device(device: torch.device | str | int) -> torch.device:

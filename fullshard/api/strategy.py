@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from fullshard.api.compiled import uncompiled, uncompiled_entries, unwrap_compiled
 from fullshard.api.functional import fsdp
 from fullshard.api.grad_norm import clip_grad_norm
 from fullshard.api.optimizer_setup import (
@@ -83,7 +84,8 @@ class FSDPStrategy:
         cpu_offload: True / `CPUOffload` (ours or torch's).
         mixed_precision: `MixedPrecision` (ours or torch's); wins over `precision`.
         auto_wrap_policy: which modules become units: a set of module classes, torch's
-            `ModuleWrapPolicy`, or a callable `(module, recurse, nonwrapped_numel) -> bool`.
+            `ModuleWrapPolicy`, or a callable `(module, recurse, nonwrapped_numel) -> bool`;
+            default: `_no_split_modules`, else the repeated blocks; "root": the root alone.
         activation_checkpointing: deprecated; a module class or list of them.
         activation_checkpointing_policy: modules whose activations are recomputed in
             backward (same forms as `auto_wrap_policy`).
@@ -366,9 +368,11 @@ class FSDPStrategy:
         return (world // per_node, per_node)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        """Shard `module` in place with this strategy's options and return it."""
+        """Shard `module` in place with this strategy's options and return it (a compiled
+        module: its original, compiled again the same way; see `fullshard.api.compiled`)."""
+        module, recompile = unwrap_compiled(module)
         if isinstance(module, FullyShardedModule):
-            return module
+            return recompile(module)
         check_torch_options(self._torch_options, module, self.root_device)
         self.precision_plugin.convert_module(module)
         options: dict[str, Any] = dict(
@@ -385,7 +389,7 @@ class FSDPStrategy:
         wrapped = fsdp(module, **options)
         self.precision_plugin.install_forward_hooks(wrapped)
         self._modules.append(weakref.ref(wrapped))
-        return wrapped
+        return recompile(wrapped)
 
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: Sequence[Optimizer], scheduler: Any = None
@@ -398,7 +402,7 @@ class FSDPStrategy:
         optimizers = list(optimizers)
         for opt in optimizers:
             check_no_meta(opt)
-        if isinstance(module, FullyShardedModule):
+        if isinstance(uncompiled(module), FullyShardedModule):
             for opt in optimizers:
                 self.setup_optimizer(opt)
             return module, optimizers, scheduler
@@ -443,6 +447,7 @@ class FSDPStrategy:
         return enable_wrap(wrapper_cls=_mark_unit)
 
     def _wrapped(self, module: nn.Module, what: str) -> nn.Module:
+        module = uncompiled(module)  # type: ignore[assignment]
         if not isinstance(module, FullyShardedModule):
             raise TypeError(
                 f"{what} needs a model set up by FSDPStrategy / fabric.setup(); got an "
@@ -565,8 +570,9 @@ class FSDPStrategy:
             )
         # How long the call waits for the other ranks to call it too: the group's timeout.
         timeout = self._timeout.total_seconds() if self._timeout is not None else 1800.0
-        save_checkpoint(path, state, state_dict_type=self._state_dict_type, filter=filter,
-                        timeout=timeout)
+        with uncompiled_entries(state) as state:
+            save_checkpoint(path, state, state_dict_type=self._state_dict_type, filter=filter,
+                            timeout=timeout)
 
     def load_checkpoint(
         self,
@@ -582,8 +588,9 @@ class FSDPStrategy:
         from fullshard.checkpoint import load_checkpoint
 
         timeout = self._timeout.total_seconds() if self._timeout is not None else 1800.0
-        return load_checkpoint(path, state, strict=strict, timeout=timeout,
-                               weights_only=weights_only)
+        with uncompiled_entries(state) as state:
+            return load_checkpoint(path, state, strict=strict, timeout=timeout,
+                                   weights_only=weights_only)
 
     def __repr__(self) -> str:
         return (

@@ -115,7 +115,8 @@ class Runtime:
         # mixed precision: the dtype each unit casts its floating inputs to (precision.py)
         self.input_dtypes = input_dtypes or {}
         self.sync_gradients = True
-        self.move_state_dict_to_cpu = True  # default of full_state_dict(cpu_offload=None)
+        self.move_state_dict_to_cpu = False  # default of full_state_dict(cpu_offload=None)
+        self.units_description = ""  # e.g. 'root + 2 x Block (default: repeated blocks)'
         self.pass_id = 0
         self.forward_order: list[Unit] = []
         self.forward_order_prev: list[Unit] = []
@@ -177,7 +178,9 @@ class Runtime:
         with_grad = torch.is_grad_enabled()
         unit.install(self, with_grad=with_grad, pass_id=self.pass_id)
         if unit is self.root and self._wants_saved_tensor_hooks(with_grad, recomputing):
-            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(
+                self._pack_hook, self._unpack_hook
+            )
             self._saved_hooks.__enter__()
         dtype = self.input_dtypes.get(unit)
         if dtype is not None:
@@ -292,6 +295,16 @@ class Runtime:
                 nxt.start_gather(async_op=True)
 
     # -- ZeRO-3 saved tensors ---------------------------------------------------------------
+    # Under torch.compile the hooks run eagerly: dynamo cannot trace storage pointers and
+    # would otherwise try (and recompile) on every tensor autograd saves.
+    @torch.compiler.disable
+    def _pack_hook(self, t: torch.Tensor) -> Any:
+        return self._pack(t)
+
+    @torch.compiler.disable
+    def _unpack_hook(self, saved: Any) -> torch.Tensor:
+        return self._unpack(saved)
+
     def _pack(self, t: torch.Tensor) -> Any:
         owner = self._storage_owner.get(t.untyped_storage().data_ptr())
         if owner is None or t.dtype != owner[1].compute_dtype:

@@ -29,6 +29,12 @@ With torch FSDP's `param_init_fn`, that function is called instead on each modul
 that still has meta tensors (in the same order), and must materialize it (e.g.
 `module.to_empty(device=..., recurse=False)` and initialize); a parameter it replaces is
 re-registered in every module holding it when the unit is sharded.
+
+A root with an `_init_weights(module)` method (every Hugging Face `PreTrainedModel`) initializes
+the modules instead, as its own `post_init` does: it covers modules without
+`reset_parameters` (rotary embeddings' `inv_freq`, BERT's `position_ids`) and uses the model's
+own distributions. It is called children first, as transformers applies it, so a parent's
+override of a child's tensor (GPT-2's scaled `c_proj`) wins.
 """
 
 from __future__ import annotations
@@ -109,6 +115,7 @@ def materialize_unit(
     # Decide which modules to reset before materializing anything: materializing a tied
     # parameter for its first holder must not make a later holder look already initialized.
     to_reset = [m for m in _unit_modules(unit_module, unit_ids) if _has_meta(m)]
+    model_init = getattr(root, "_init_weights", None)
     if param_init_fn is not None:
         for module in to_reset:
             if _has_meta(module):  # an earlier call may have materialized it (recurse=True)
@@ -116,7 +123,7 @@ def materialize_unit(
         _check_materialized(owned)
         return
     for module in to_reset:
-        if not callable(getattr(module, "reset_parameters", None)):
+        if not callable(model_init) and not callable(getattr(module, "reset_parameters", None)):
             raise TypeError(
                 f"Module {names.get(id(module)) or '<root>'!r} ({type(module).__name__}) has "
                 f"tensors on the meta device but no reset_parameters() to initialize them. "
@@ -158,8 +165,12 @@ def materialize_unit(
             swapped.append((module, name, p))
             module._parameters[name] = scratch[id(p)]
     try:
-        for module in to_reset:
-            module.reset_parameters()
+        if callable(model_init):
+            for module in reversed(to_reset):  # children before their parents
+                model_init(module)
+        else:
+            for module in to_reset:
+                module.reset_parameters()
     finally:
         for module, name, p in swapped:
             module._parameters[name] = p

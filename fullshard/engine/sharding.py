@@ -49,7 +49,7 @@ from fullshard.engine.precision import (
 )
 from fullshard.engine.sharded_param import ShardedParam
 from fullshard.engine.unit import Unit
-from fullshard.engine.wrap import ParamOwnership, assign_params, select_units
+from fullshard.engine.wrap import ParamOwnership, assign_params, choose_units
 
 
 def shard_module(
@@ -71,7 +71,8 @@ def shard_module(
     param_init_fn: Callable[[nn.Module], object] | None = None,
 ) -> Runtime:
     ignored = ignored or Ignored()
-    unit_modules = select_units(model, auto_wrap_policy, ignored)
+    unit_choice = choose_units(model, auto_wrap_policy, ignored)
+    unit_modules = list(unit_choice.modules)
     owned = assign_params(model, unit_modules, ignored)
     names = {id(m): n for n, m in model.named_modules()}
     fp_ids = full_precision_ids(model, mixed_precision)
@@ -117,12 +118,16 @@ def shard_module(
         backward_prefetch_limit=backward_prefetch_limit,
         input_dtypes=unit_input_dtypes(units, mixed_precision, fp_ids),
     )
+    runtime.units_description = unit_choice.describe()
+    # Under torch.compile the hooks run eagerly (they issue collectives and swap tensors):
+    # one clean graph break at each, instead of dynamo tracing into them and breaking inside.
+    eager = torch.compiler.disable
     for unit in units:
         unit.module.register_forward_pre_hook(
-            functools.partial(runtime.pre_forward, unit), prepend=True, with_kwargs=True
+            eager(functools.partial(runtime.pre_forward, unit)), prepend=True, with_kwargs=True
         )
         unit.module.register_forward_hook(
-            functools.partial(runtime.post_forward, unit), always_call=True
+            eager(functools.partial(runtime.post_forward, unit)), always_call=True
         )
     install_full_precision_casts(model, mixed_precision)
     apply_activation_checkpointing(model, activation_checkpointing_policy, runtime)

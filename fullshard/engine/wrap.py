@@ -1,7 +1,12 @@
 """Wrap policies: which modules become units, and which unit owns each parameter.
 
 A policy is one of
-- None: the root is the only unit;
+- None (the default): the units a user would pick (`default_unit_modules`): the modules whose
+  class is named in the model's `_no_split_modules` (Hugging Face's convention, what
+  Accelerate's FSDP auto-wrap uses), else the repeated blocks: the children of every
+  `nn.ModuleList` / `nn.Sequential` holding >= 2 modules of one class that have parameters
+  (e.g. `transformer.h.0..N`), outermost such containers only; else the root alone;
+- "root" (`ROOT_ONLY`) or an empty collection: the root is the only unit;
 - a set (or list/tuple) of module classes: every instance becomes a unit;
 - torch's `ModuleWrapPolicy` (its module classes are used);
 - a callable `policy(module, recurse, nonwrapped_numel) -> bool` with torch FSDP1's meaning:
@@ -28,10 +33,17 @@ from fullshard.engine.ignored import Ignored
 
 WrapPolicy = Callable[[nn.Module, bool, int], bool]
 
+ROOT_ONLY = "root"
+"""`auto_wrap_policy="root"`: the whole model is one unit (the default picks blocks)."""
+
 
 def normalize_policy(policy: object) -> WrapPolicy | None:
-    """Turn any accepted policy spelling into a callable (or None for root only)."""
-    if policy is None:
+    """Turn any explicit policy spelling into a callable (None: root only).
+
+    `policy=None` (the default units) is resolved per model by `choose_units`; here it is
+    only validated, like every other spelling.
+    """
+    if policy is None or _is_root_only(policy):
         return None
     classes = getattr(policy, "_module_classes", None)  # torch's ModuleWrapPolicy
     if classes is not None:
@@ -51,8 +63,9 @@ def normalize_policy(policy: object) -> WrapPolicy | None:
     if callable(policy) and not isinstance(policy, nn.Module):
         return policy  # type: ignore[return-value]
     raise TypeError(
-        f"auto_wrap_policy must be None, a set of nn.Module classes, a ModuleWrapPolicy or a "
-        f"callable (module, recurse, nonwrapped_numel) -> bool; got {type(policy).__name__}"
+        f"auto_wrap_policy must be None, a set of nn.Module classes, a ModuleWrapPolicy, a "
+        f"callable (module, recurse, nonwrapped_numel) -> bool, or {ROOT_ONLY!r} (the root "
+        f"as the only unit); got {type(policy).__name__} {policy!r}"
     )
 
 
@@ -66,17 +79,110 @@ def mark_unit(module: nn.Module) -> nn.Module:
     return module
 
 
+@dataclass(frozen=True)
+class UnitChoice:
+    """The units of a model and why they were chosen (for reprs and `fullshard plan`)."""
+
+    modules: tuple[nn.Module, ...]
+    """Root first, then in `named_modules()` order."""
+    reason: str
+    """E.g. 'default: _no_split_modules', 'default: repeated blocks', 'auto_wrap_policy'."""
+
+    def describe(self) -> str:
+        """E.g. 'root + 4 x Block (default: repeated blocks)'."""
+        units = describe_unit_classes(type(m).__name__ for m in self.modules[1:])
+        return f"{units} ({self.reason})"
+
+
+def describe_unit_classes(class_names: Iterable[str]) -> str:
+    """'root + 2 x GPT2Block' for the non-root units' class names."""
+    counts: dict[str, int] = {}
+    for name in class_names:
+        counts[name] = counts.get(name, 0) + 1
+    return " + ".join(["root", *(f"{n} x {c}" for c, n in counts.items())])
+
+
+def default_unit_modules(
+    root: nn.Module, ignored: Ignored | None = None
+) -> tuple[list[nn.Module], str]:
+    """The default units besides the root, and the rule that picked them (module docstring).
+    Ignored modules never become units."""
+    skip = ignored.modules if ignored is not None else frozenset()
+    found, reason = _default_blocks(root)
+    return [m for m in found if id(m) not in skip], reason
+
+
+def _default_blocks(root: nn.Module) -> tuple[list[nn.Module], str]:
+    wanted = set(getattr(root, "_no_split_modules", None) or ())
+    if wanted:
+        found = [m for m in root.modules() if m is not root and type(m).__name__ in wanted]
+        if found:
+            return found, "default: _no_split_modules"
+    blocks: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if _is_repeated_blocks(child):
+                blocks.extend(child.children())  # not looking inside the blocks
+            else:
+                visit(child)
+
+    if _is_repeated_blocks(root):
+        blocks.extend(root.children())
+    else:
+        visit(root)
+    if blocks:
+        return blocks, "default: repeated blocks"
+    return [], "default: root only, no repeated blocks found"
+
+
+def _is_root_only(policy: object) -> bool:
+    return isinstance(policy, str) and policy == ROOT_ONLY
+
+
+def _is_repeated_blocks(module: nn.Module) -> bool:
+    if not isinstance(module, nn.ModuleList | nn.Sequential):
+        return False
+    children = list(module.children())
+    return (
+        len(children) >= 2
+        and len({type(c) for c in children}) == 1
+        and all(any(True for _ in c.parameters()) for c in children)
+    )
+
+
+def choose_units(
+    root: nn.Module, policy: object, ignored: Ignored | None = None
+) -> UnitChoice:
+    """The units of `root` under `policy` (None: the default rule), root first. Modules marked
+    by `mark_unit` (torch's `wrap()` under `module_sharded_context`) are units either way."""
+    if policy is None:
+        extra, reason = default_unit_modules(root, ignored)
+        ids = {id(root), *map(id, extra), *map(id, _manual_units(root, ignored))}
+        return UnitChoice(tuple(m for m in root.modules() if id(m) in ids), reason)
+    modules = _select_by_policy(root, policy, ignored)
+    reason = "auto_wrap_policy" if len(modules) > 1 else "root only"
+    return UnitChoice(tuple(modules), reason)
+
+
+def _manual_units(root: nn.Module, ignored: Ignored | None) -> list[nn.Module]:
+    skip = ignored.modules if ignored is not None else frozenset()
+    return [m for m in root.modules() if m.__dict__.get(_MANUAL_UNIT) and id(m) not in skip]
+
+
 def select_units(
     root: nn.Module, policy: object, ignored: Ignored | None = None
 ) -> list[nn.Module]:
     """The unit modules, root first, then in `named_modules()` order."""
+    return list(choose_units(root, policy, ignored).modules)
+
+
+def _select_by_policy(
+    root: nn.Module, policy: object, ignored: Ignored | None = None
+) -> list[nn.Module]:
     fn = normalize_policy(policy)
     ignored = ignored or Ignored()
-    chosen: set[int] = {id(root)}
-    chosen.update(
-        id(m) for m in root.modules()
-        if m.__dict__.get(_MANUAL_UNIT) and id(m) not in ignored.modules
-    )
+    chosen: set[int] = {id(root), *map(id, _manual_units(root, ignored))}
     if fn is not None:
         seen: set[int] = set(ignored.params)
 

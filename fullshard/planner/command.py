@@ -56,8 +56,8 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prefetch-limit", type=int, default=1, metavar="K",
                    help="units gathered ahead, as fsdp(prefetch_limit=) (default: 1)")
     p.add_argument("--wrap", default=None, metavar="CLASS,...",
-                   help="module class names that become units (default: the config's block, "
-                   "else a guess)")
+                   help="module class names that become units, or 'root' for the whole model "
+                   "as one unit (default: the config's block, else fsdp()'s default units)")
     p.add_argument("--backend", default="nccl", choices=("nccl", "gloo"),
                    help="collective backend (default: nccl)")
     p.add_argument("--ranks-per-node", type=int, default=8, metavar="K",

@@ -14,9 +14,10 @@ Built-in configs (`BUILTIN_CONFIGS`), each wrapped per transformer block:
 
 A wrap policy may also be given as class names (`["LlamaBlock"]`, the CLI's `--wrap`).
 Factories are called under `torch.device("meta")`, so nothing is allocated however large the
-model. Without an explicit policy a model that is not built in is wrapped by a guess: the
-classes named in its `_no_split_modules` (the Hugging Face convention), else the class of the
-blocks of its largest `nn.ModuleList` of same-class children, else the root alone.
+model. Without an explicit policy a model that is not built in gets the engine's default
+units (`fullshard.engine.wrap.default_unit_modules`, exactly what `fsdp()` picks): the classes
+named in its `_no_split_modules` (the Hugging Face convention), else its repeated blocks, else
+the root alone. `"root"` (or `--wrap root`) plans the whole model as one unit.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fullshard.engine.wrap import ROOT_ONLY, choose_units
 from fullshard.planner.models import Llama, LlamaConfig
 
 
@@ -116,6 +118,8 @@ def resolve_model(model: object, auto_wrap_policy: object = None) -> ResolvedMod
             f"plan() expects an nn.Module, a factory callable, a built-in config name or "
             f"'package.module:factory'; got {type(model).__name__}: {model!r}"
         )
+    if isinstance(auto_wrap_policy, str | list) and auto_wrap_policy in (ROOT_ONLY, [ROOT_ONLY]):
+        return ResolvedModel(name, module, ROOT_ONLY, "root only", built)
     if _is_names(auto_wrap_policy):
         classes = _classes_named(module, auto_wrap_policy)  # type: ignore[arg-type]
         return ResolvedModel(name, module, classes, _names(classes), built)
@@ -159,23 +163,10 @@ def _on_meta(factory: Callable[[], object], name: str) -> nn.Module:
 
 
 def infer_policy(model: nn.Module) -> tuple[object, str]:
-    """A wrap policy for a model we know nothing about (see the module docstring)."""
-    wanted = set(getattr(model, "_no_split_modules", None) or ())
-    if wanted:
-        classes = {type(m) for m in model.modules() if type(m).__name__ in wanted}
-        if classes:
-            return classes, f"{_names(classes)} (from _no_split_modules)"
-    best: tuple[int, type[nn.Module]] | None = None
-    for m in model.modules():
-        if isinstance(m, nn.ModuleList) and len(m) > 1:
-            kinds = {type(c) for c in m}
-            if len(kinds) == 1:
-                numel = sum(p.numel() for p in m.parameters())
-                if numel > 0 and (best is None or numel > best[0]):
-                    best = (numel, kinds.pop())
-    if best is not None:
-        return {best[1]}, f"{best[1].__name__} (guessed: blocks of the largest ModuleList)"
-    return None, "root only (no repeated blocks found; pass auto_wrap_policy)"
+    """No policy given: `fsdp()`'s default units (None), and the rule that picked them."""
+    choice = choose_units(model, None)
+    classes = {type(m) for m in choice.modules[1:]}
+    return None, f"{_names(classes) or 'root'} ({choice.reason})"
 
 
 def _is_names(policy: object) -> bool:

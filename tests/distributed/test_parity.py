@@ -28,7 +28,10 @@ from fullshard.testing import DistributedGroup, ParityReport, check_parity
 from fullshard.testing.models import Block, ConvBNNet, OddMLP, TinyGPT
 
 MODELS = {"TinyGPT": TinyGPT, "OddMLP": OddMLP, "ConvBNNet": ConvBNNet}
-WRAP = {"TinyGPT": {Block}}  # the others are one unit (the root)
+# The others are one unit, the root, asked for explicitly: by default OddMLP's ModuleList of
+# Linears would become one unit per Linear (fsdp()'s repeated-blocks rule), and BUCKETS below
+# counts buckets of a single unit.
+WRAP = {"TinyGPT": {Block}, "OddMLP": "root", "ConvBNNet": "root"}
 STRATEGIES = ("ZERO2", "ZERO3", "NO_SHARD")
 BUCKETINGS = ("NONE", "LAYER", "BLOCK")
 

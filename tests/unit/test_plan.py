@@ -221,14 +221,15 @@ def make_net() -> nn.Module:
 def test_factory_path_callable_and_module_instance():
     by_path = fullshard.plan("tests.unit.test_plan:make_net", world_sizes=(2,), batch=2, seq=3)
     assert by_path.num_params == 50 * 10 + 3 * 110
-    assert by_path.units == "root + 3 x _Layer" and "guessed" in by_path.policy
+    assert by_path.units == "root + 3 x _Layer"
+    assert by_path.policy == "_Layer (default: repeated blocks)"
     by_callable = fullshard.plan(make_net, world_sizes=(2,))
     instance = fullshard.plan(_Net(), world_sizes=(2,))  # real tensors: only shapes are read
     assert by_callable.rows == instance.rows == [
         r for r in fullshard.plan("tests.unit.test_plan:make_net", world_sizes=(2,)).rows
     ]
-    root_only = fullshard.plan(make_net, world_sizes=(2,), auto_wrap_policy=None)
-    assert root_only.units.startswith("root")
+    root_only = fullshard.plan(make_net, world_sizes=(2,), auto_wrap_policy="root")
+    assert root_only.units == "root" and root_only.policy == "root only"
     by_name = fullshard.plan(make_net, world_sizes=(2,), auto_wrap_policy=["_Layer"])
     assert by_name.units == "root + 3 x _Layer"
 

@@ -1,0 +1,200 @@
+"""Hugging Face transformers models under fullshard, built from tiny configs (no downloads).
+
+GPT-2 (input/output embeddings tied), Llama (rotary-embedding buffers, grouped-query
+attention) and BERT (an encoder; masked-LM head tied to the word embeddings, its bias tied too)
+are trained with `labels=` losses beside their unwrapped twins on 2 and 3 ranks, for every
+sharding strategy: losses, every local gradient shard and every local parameter shard after
+SGD steps match one process (fp32, rtol=1e-5, atol=1e-6). Also through `Fabric` /
+`FSDPStrategy` with `init_module(empty_init=True)`, the default units
+(`_no_split_modules`), and what HF users call on the model: `config`, `generate()`,
+`loss_function`, `save_pretrained()` of the full weights and `from_pretrained` of them.
+
+One group per world size runs everything (one `run` per world size).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fullshard
+from fullshard.testing import DistributedGroup
+from tests.distributed.model_parity import train_and_compare
+
+transformers = pytest.importorskip("transformers")
+
+STRATEGIES = {  # strategy -> bucketing, so every bucketing runs too
+    "FULL_SHARD": "BLOCK",
+    "SHARD_GRAD_OP": "LAYER",
+    "NO_SHARD": "NONE",
+    "HYBRID_SHARD": "BLOCK",
+}
+STEPS, ROWS_PER_RANK, SEQ, VOCAB = 3, 2, 8, 64
+
+
+def _gpt2() -> torch.nn.Module:
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=16, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _llama() -> torch.nn.Module:
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=16, intermediate_size=32, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16, bos_token_id=0,
+        eos_token_id=0, pad_token_id=0,
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _bert() -> torch.nn.Module:
+    cfg = transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=16, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, pad_token_id=0,
+    )
+    return transformers.BertForMaskedLM(cfg)
+
+
+MODELS = {"gpt2": (_gpt2, "GPT2Block"), "llama": (_llama, "LlamaDecoderLayer"),
+          "bert": (_bert, "BertEmbeddings + 2 x BertLayer")}
+
+
+def _batches(name: str, world: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(1, VOCAB, (world * ROWS_PER_RANK, SEQ), generator=g)
+        # Causal LMs shift labels inside; BERT's MLM labels every position (no -100), so
+        # every rank averages over the same number of tokens and the mean of the rank
+        # means is the global mean.
+        labels = ids if name != "bert" else torch.randint(1, VOCAB, ids.shape, generator=g)
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def _loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(**batch).loss
+
+
+def _parity_all_strategies() -> dict:
+    world = dist.get_world_size()
+    results: dict[str, object] = {}
+    for name, (build, unit_class) in MODELS.items():
+        for strategy, bucketing in STRATEGIES.items():
+            torch.manual_seed(0)
+            ref = build()
+            model = fullshard.fsdp(copy.deepcopy(ref), device="cpu",
+                                   sharding_strategy=strategy, bucketing_strategy=bucketing)
+            results[f"{name}/{strategy}"] = train_and_compare(
+                model, ref, _batches(name, world), _loss
+            )
+        units_line = repr(model).splitlines()[1]
+        assert f"2 x {unit_class.split(' + ')[-1].removeprefix('2 x ')}" in units_line, units_line
+        assert "(default: _no_split_modules)" in units_line, units_line
+        results[f"{name}/units"] = units_line
+    return results
+
+
+def _hf_surface() -> dict:
+    """What HF users call on the wrapped model behaves as on the unwrapped one."""
+    torch.manual_seed(0)
+    ref = _gpt2()
+    model = fullshard.fsdp(copy.deepcopy(ref), device="cpu", sharding_strategy="FULL_SHARD")
+    out: dict[str, object] = {}
+    assert type(model).__name__ == "GPT2LMHeadModel"  # HF writes it into config.json
+    assert isinstance(model, fullshard.FullyShardedModule)
+    assert model.config is not None and model.config.n_layer == 2
+    assert model.loss_function is ref.loss_function
+    # tied input/output embeddings stay one parameter (the shard)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    ids = torch.randint(1, VOCAB, (2, 4), generator=torch.Generator().manual_seed(3))
+    gen = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    ref_gen = ref.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(gen, ref_gen), (gen, ref_gen)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    assert torch.allclose(logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-6)
+    # save_pretrained of the full weights on rank 0 loads back as the unwrapped model
+    full = model.original_state_dict()
+    assert all(torch.equal(full[k], v) for k, v in ref.state_dict().items())
+    path = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path)
+    if dist.get_rank() == 0:
+        model.save_pretrained(path[0], state_dict=dict(full))  # HF empties the dict it gets
+        with open(os.path.join(path[0], "config.json")) as f:
+            out["architectures"] = json.load(f)["architectures"]
+        loaded = transformers.GPT2LMHeadModel.from_pretrained(path[0])
+        assert all(torch.equal(loaded.state_dict()[k], v) for k, v in ref.state_dict().items())
+    # load_original_state_dict writes into the shards the optimizer holds
+    shards = [p for p in model.parameters()]
+    zeros = {k: torch.zeros_like(v) for k, v in full.items()}
+    model.load_original_state_dict(zeros)
+    assert all(p is q and not p.any() for p, q in zip(model.parameters(), shards))
+    return out
+
+
+def _fabric_empty_init() -> dict:
+    """Fabric + FSDPStrategy, models built on the meta device, then the reference's weights
+    loaded through the thunder name; buffers (RoPE inv_freq, BERT position_ids) come from the
+    model's own `_init_weights` and must equal the eagerly built model's."""
+    world = dist.get_world_size()
+    results = {}
+    for name, (build, _) in MODELS.items():
+        fabric = fullshard.Fabric(accelerator="cpu", devices=world,
+                                  strategy=fullshard.FSDPStrategy(sharding_strategy="FULL_SHARD"))
+        fabric.launch()
+        torch.manual_seed(0)
+        ref = build()
+        with fabric.init_module(empty_init=True):
+            model = build()
+        assert all(p.is_meta for p in model.parameters())
+        model = fabric.setup(model)
+        assert "(default: _no_split_modules)" in repr(model).splitlines()[1]  # the strategy's
+        assert not any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+        for (bn, b), (rn, rb) in zip(model.named_buffers(), ref.named_buffers()):
+            assert bn == rn and torch.equal(b, rb), f"{name}: buffer {bn} differs"
+        model.load_original_state_dict(ref.state_dict())
+        results[name] = train_and_compare(model, ref, _batches(name, world), _loss)
+    return results
+
+
+def _everything() -> dict:
+    return {"parity": _parity_all_strategies(), "surface": _hf_surface(),
+            "fabric": _fabric_empty_init()}
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def results(request) -> list[dict]:
+    with DistributedGroup(request.param) as group:
+        yield group.run(_everything, timeout=600)
+
+
+def test_parity_every_strategy(results: list[dict]) -> None:
+    for name in MODELS:
+        for strategy in STRATEGIES:
+            worst = results[0]["parity"][f"{name}/{strategy}"]
+            assert worst["loss"] <= 1e-5, (name, strategy, worst)
+
+
+def test_default_units_are_no_split_modules(results: list[dict]) -> None:
+    assert "units: root + 2 x GPT2Block (default: _no_split_modules)" in (
+        results[0]["parity"]["gpt2/units"]
+    )
+    assert "root + 1 x BertEmbeddings + 2 x BertLayer" in results[0]["parity"]["bert/units"]
+
+
+def test_hf_surface(results: list[dict]) -> None:
+    assert results[0]["surface"]["architectures"] == ["GPT2LMHeadModel"]
+
+
+def test_fabric_empty_init(results: list[dict]) -> None:
+    assert set(results[0]["fabric"]) == set(MODELS)
