@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from fullshard.api.batches import map_batch
+from fullshard.api.strategy_args import reduce_op_of
 from fullshard.distributed import comm
 
 
@@ -76,3 +77,22 @@ def all_reduce(data: Any, group: Any, reduce_op: Any, device: torch.device,
         return data
     return map_batch(data, lambda x: reduce_tensor(_as_tensor(x, device), group, reduce_op),
                      _is_leaf)
+
+
+def all_reduce_tensor(tensor: Any, group: object = None, reduce_op: object = "mean") -> Any:
+    """Reduce `tensor` in place over `group` (a process group, a `comm.Group`, or None for all
+    ranks) and return it; non-tensors come back unchanged.
+
+    `reduce_op`: 'mean' (also 'avg'), 'sum', 'max', 'min', 'product', or a `ReduceOp`.
+    'mean' of an integer tensor returns a new float tensor.
+    """
+    if not isinstance(tensor, torch.Tensor) or not dist.is_initialized():
+        return tensor
+    op, mean = reduce_op_of(reduce_op)
+    g = group if isinstance(group, comm.Group) else comm.Group.from_process_group(group)
+    if mean and not tensor.is_floating_point():
+        tensor = tensor.float()
+    comm.all_reduce(tensor, g, op=op)
+    if mean:
+        tensor.div_(g.size)
+    return tensor

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import gc
 import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -38,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from fullshard.api import collectives
 from fullshard.api.compiled import uncompiled, uncompiled_entries, unwrap_compiled
 from fullshard.api.functional import fsdp
 from fullshard.api.grad_norm import clip_grad_norm
@@ -52,9 +52,8 @@ from fullshard.api.strategy_args import (
     as_timeout,
     check_engine_kwargs,
     check_torch_options,
+    mark_wrapped_unit,
     merge_checkpointing_arguments,
-    reduce_op_of,
-    warn_once,
 )
 from fullshard.config import (
     CPUOffload,
@@ -65,9 +64,13 @@ from fullshard.config import (
 )
 from fullshard.distributed import comm
 from fullshard.distributed.environment import ClusterEnvironment, detect_environment
-from fullshard.distributed.mesh import check_mesh_shape, is_device_mesh
+from fullshard.distributed.mesh import (
+    check_mesh_shape,
+    destroy_process_group_at_exit,
+    is_device_mesh,
+)
 from fullshard.engine.module import FullyShardedModule
-from fullshard.engine.wrap import mark_unit, normalize_policy
+from fullshard.engine.wrap import normalize_policy
 
 
 class FSDPStrategy:
@@ -344,7 +347,7 @@ class FSDPStrategy:
                 self.process_group_backend, rank=env.global_rank(), world_size=world, **kwargs
             )
             # Exiting with a live gloo/NCCL group can abort in its destructors at shutdown.
-            atexit.register(_destroy_process_group)
+            atexit.register(destroy_process_group_at_exit)
         elif dist.get_world_size() != world and "WORLD_SIZE" in os.environ:
             raise ValueError(
                 f"torch.distributed is already initialized with world size "
@@ -444,7 +447,7 @@ class FSDPStrategy:
         becomes a unit at `setup_module` (besides the policy's); `wrap()` returns it as is."""
         from torch.distributed.fsdp.wrap import enable_wrap
 
-        return enable_wrap(wrapper_cls=_mark_unit)
+        return enable_wrap(wrapper_cls=mark_wrapped_unit)
 
     def _wrapped(self, module: nn.Module, what: str) -> nn.Module:
         module = uncompiled(module)  # type: ignore[assignment]
@@ -511,28 +514,10 @@ class FSDPStrategy:
         torch.nn.utils.clip_grad_value_(module.parameters(), clip_val)
 
     # -- collectives for the user -----------------------------------------------------------
-    def _group(self, group: object) -> comm.Group:
-        if isinstance(group, comm.Group):
-            return group
-        return comm.Group.from_process_group(group)
-
     def all_reduce(self, tensor: Any, group: object = None, reduce_op: object = "mean") -> Any:
-        """Reduce `tensor` in place over `group` (default: all ranks) and return it.
-
-        `reduce_op`: 'mean' (also 'avg'), 'sum', 'max', 'min', 'product', or a `ReduceOp`.
-        Non-tensors are returned unchanged. 'mean' of an integer tensor returns a new float
-        tensor.
-        """
-        if not isinstance(tensor, torch.Tensor) or not dist.is_initialized():
-            return tensor
-        op, mean = reduce_op_of(reduce_op)
-        g = self._group(group)
-        if mean and not tensor.is_floating_point():
-            tensor = tensor.float()
-        comm.all_reduce(tensor, g, op=op)
-        if mean:
-            tensor.div_(g.size)
-        return tensor
+        """Reduce `tensor` in place over `group` (default: all ranks) and return it (see
+        `api.collectives.all_reduce_tensor`)."""
+        return collectives.all_reduce_tensor(tensor, group, reduce_op)
 
     def barrier(self, name: str | None = None) -> None:
         if dist.is_available() and dist.is_initialized():
@@ -598,33 +583,3 @@ class FSDPStrategy:
             f"state_dict_type={self._state_dict_type!r}, "
             f"precision={self._precision or '32-true'!r})"
         )
-
-
-def _mark_unit(module: nn.Module, **overrides: Any) -> nn.Module:
-    """The `wrapper_cls` of `module_sharded_context`'s `enable_wrap`: torch's `wrap(m)` calls
-    it and gets `m` back, marked as a unit."""
-    if overrides:
-        warn_once(
-            "wrap_overrides",
-            f"torch's wrap(module, **overrides) ignores {sorted(overrides)} under fullshard: "
-            f"every unit uses the FSDPStrategy's options; the module still becomes a unit.",
-        )
-    return mark_unit(module)
-
-
-def _destroy_process_group() -> None:
-    """At a normal exit: wait for every rank, then tear the group down, so no rank closes its
-    connections while a peer still talks to it. After a failure: just tear down."""
-    from fullshard.launch.subprocess_script import rank_failed
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    try:
-        if not rank_failed():
-            dist.barrier()
-    except Exception:  # noqa: BLE001 - a peer is gone; nothing left to wait for
-        pass
-    # Free finished Works and the tensors they hold while the interpreter can still take
-    # them: freed by gloo's threads during finalization, they abort the process.
-    gc.collect()
-    dist.destroy_process_group()

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fullshard.config import resolve_bucketing_strategy
+from fullshard.engine.wrap import mark_unit
 
 ENGINE_OPTIONS = (
     "bucketing_strategy",
@@ -288,3 +289,15 @@ def reduce_op_of(reduce_op: object) -> tuple[Any, bool]:
     if reduce_op == dist.ReduceOp.AVG:
         return dist.ReduceOp.SUM, True
     return reduce_op, False
+
+
+def mark_wrapped_unit(module: nn.Module, **overrides: Any) -> nn.Module:
+    """The `wrapper_cls` of `FSDPStrategy.module_sharded_context`'s `enable_wrap`: torch's
+    `wrap(m)` calls it and gets `m` back, marked as a unit."""
+    if overrides:
+        warn_once(
+            "wrap_overrides",
+            f"torch's wrap(module, **overrides) ignores {sorted(overrides)} under fullshard: "
+            f"every unit uses the FSDPStrategy's options; the module still becomes a unit.",
+        )
+    return mark_unit(module)
