@@ -20,15 +20,6 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
 
 
-@pytest.fixture
-def world1():
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
 
 def test_fsdp_before_init_process_group_says_how_to_fix_it():
     assert not dist.is_initialized()

@@ -16,7 +16,6 @@ import typing
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import fullshard
@@ -116,15 +115,6 @@ class _Inspecting(nn.Module, metaclass=_Registry):
             x = b(x)
         return x
 
-
-@pytest.fixture
-def world1():
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_class_that_inspects_its_subclasses(world1):
