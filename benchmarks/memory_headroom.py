@@ -72,6 +72,8 @@ SIZES = {  # vocab 8192 (gpt.py's); seq is set per run
     "1.2b": (23, 2048),   # 1.19B
 }
 IMPLS = ("fullshard", "fsdp2", "ddp", "deepspeed")
+RESERVE = 1 * GiB
+"""Left to the OS and other processes when extrapolating to the whole machine."""
 
 
 def config(size: str, seq: int) -> GPTConfig:
@@ -328,6 +330,86 @@ def _markdown(cols: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
+def target_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """fullshard against issue 14's targets, one row per size it trained."""
+    cols = ["size", "16Psi/N + planned working set + activations MiB", "peak RSS MiB",
+            "peak RSS / that (<= 1.15)", "(peak - base) / that", "planner total MiB",
+            "planner / peak RSS", "planner / (peak - base)", "FSDP2 peak RSS MiB",
+            "fullshard / FSDP2 peak RSS", "fullshard / FSDP2 peak - base"]
+    fsdp2 = {r["size"]: r for r in rows if r["impl"] == "fsdp2" and "ranks" in r}
+    out = []
+    for r in rows:
+        if r["impl"] != "fullshard" or "ranks" not in r:
+            continue
+        pred = r["predicted"]
+        bound = r["ideal_state"] + pred["working_set"] + pred["activations"]
+        f2 = fsdp2.get(r["size"])
+        out.append([
+            f"{r['size']} ({r['psi'] / 1e6:,.0f}M)", _f(bound), _f(r["peak_rss"]),
+            f"{r['peak_rss'] / bound:.3f}", f"{r['peak_growth'] / bound:.3f}",
+            _f(pred["total"]), f"{pred['total'] / r['peak_rss']:.3f}",
+            f"{pred['total'] / r['peak_growth']:.3f}",
+            _f(f2["peak_rss"]) if f2 else "-",
+            f"{r['peak_rss'] / f2['peak_rss']:.3f}" if f2 else "-",
+            f"{r['peak_growth'] / f2['peak_growth']:.3f}" if f2 else "-"])
+    return cols, out
+
+
+def largest_rows(rows: list[dict], mem_total: int, reserve: int) -> tuple[list[str], list]:
+    """Per implementation: the largest size that trained, the next one, and an extrapolation.
+
+    The extrapolation fits peak RSS per rank = a + b * Psi through the two largest sizes that
+    trained, and solves WORLD * (a + b * Psi) <= mem_total - reserve for Psi."""
+    cols = ["impl", "sizes tried", "largest that trained (peak RSS, 2 ranks)",
+            "next size up", "extrapolated largest Psi for the whole machine"]
+    out = []
+    for impl in IMPLS:
+        mine = sorted((r for r in rows if r["impl"] == impl), key=lambda r: r["psi"])
+        if not mine:
+            continue
+        ok = [r for r in mine if "ranks" in r]
+        tried = ", ".join(r["size"] for r in mine)
+        if not ok:
+            out.append([impl, tried, "none", mine[0].get("skipped") or mine[0].get("failed", ""),
+                        "-"])
+            continue
+        best = ok[-1]
+        above = [r for r in mine if r["psi"] > best["psi"]]
+        nxt = (f"{above[0]['size']}: {above[0].get('skipped') or above[0].get('failed', '')}"
+               if above else "not tried")
+        extra = "-"
+        if len(ok) >= 2:
+            (p0, y0), (p1, y1) = [(r["psi"], r["peak_rss"]) for r in ok[-2:]]
+            b = (y1 - y0) / (p1 - p0)
+            a = y1 - b * p1
+            psi_max = ((mem_total - reserve) / WORLD - a) / b
+            extra = (f"~{psi_max / 1e9:.2f}B ({b:.1f} B/param/rank + {a / MiB:,.0f} MiB, "
+                     f"{(mem_total - reserve) / GiB:.1f} GiB usable)")
+        out.append([impl, tried, f"{best['size']} ({best['psi'] / 1e6:,.0f}M, "
+                    f"{WORLD * best['peak_rss'] / GiB:.1f} GiB)", nxt, extra])
+    return cols, out
+
+
+def render(meta: dict[str, Any], rows: list[dict]) -> str:
+    order = {name: i for i, name in enumerate(IMPLS)}
+    rows = sorted(rows, key=lambda r: (r["psi"], order.get(r["impl"], 99)))
+    args = meta["args"]
+    body = [f"# memory_headroom ({meta['started']})", "",
+            f"torch {meta['torch']}, {meta['cpus']} CPUs, {meta['mem_total'] / GiB:.1f} GiB, "
+            f"commit {meta['commit'][:10]}{' (dirty)' if meta['dirty'] else ''}, load average "
+            f"{meta['loadavg'][0]:.2f} -> {meta.get('loadavg_end', meta['loadavg'])[0]:.2f}; "
+            f"{WORLD} gloo ranks, 1 thread each, GPT (vocab 8192) built on the meta device, "
+            f"{args['steps']} AdamW steps, batch 1 per rank, sequence {args['seq']}; "
+            f"DeepSpeed installed: {meta['deepspeed']}.", "",
+            "Per rank, max over the 2 ranks. RSS is VmRSS / VmHWM of the rank process; "
+            "baseline = RSS after imports and the process group, before the model is built.",
+            "", "### Per implementation and size", "", _markdown(*table_rows(rows)), "",
+            "### fullshard FULL_SHARD against the targets", "", _markdown(*target_rows(rows)),
+            "", "### Largest model per implementation (2 ranks)", "",
+            _markdown(*largest_rows(rows, meta["mem_total"], RESERVE)), ""]
+    return "\n".join(body)
+
+
 def machine() -> dict[str, Any]:
     def git(*args: str) -> str:
         try:
@@ -355,7 +437,15 @@ def main() -> None:
     p.add_argument("--results-dir", default=str(HERE / "results"))
     p.add_argument("--append", action="store_true", help="add to today's record's JSON rows")
     p.add_argument("--no-record", action="store_true")
+    p.add_argument("--render", action="store_true",
+                   help="only rewrite today's markdown record from its JSON")
     args = p.parse_args()
+    stem = Path(args.results_dir) / f"{_dt.date.today().isoformat()}-memory_headroom"
+    if args.render:
+        data = json.loads(stem.with_suffix(".json").read_text())
+        stem.with_suffix(".md").write_text(render(data["meta"], data["rows"]))
+        print(f"wrote {stem}.md")
+        return
     meta = {"started": _dt.datetime.now().isoformat(timespec="seconds"), **machine(),
             "args": vars(args)}
     try:
@@ -364,7 +454,6 @@ def main() -> None:
     except ImportError:
         have_deepspeed = False
     meta["deepspeed"] = have_deepspeed
-    stem = Path(args.results_dir) / f"{_dt.date.today().isoformat()}-memory_headroom"
     rows: list[dict] = []
     if args.append and stem.with_suffix(".json").exists():
         rows = json.loads(stem.with_suffix(".json").read_text())["rows"]
@@ -383,15 +472,19 @@ def main() -> None:
             rows = [r for r in rows if (r["impl"], r["size"]) != (impl, size)] + [row]
             print(json.dumps({k: v for k, v in row.items() if k not in ("ranks", "traceback")},
                              default=str), flush=True)
-    meta["loadavg_end"] = os.getloadavg()
-    cols, body = table_rows(rows)
-    print(_markdown(cols, body))
-    if args.no_record:
-        return
+            meta["loadavg_end"] = os.getloadavg()
+            if not args.no_record:  # after every run: a later one may be killed
+                _save(stem, meta, rows)
+    print(render(meta, rows))
+    if not args.no_record:
+        print(f"wrote {stem}.json and {stem}.md")
+
+
+def _save(stem: Path, meta: dict[str, Any], rows: list[dict]) -> None:
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1,
                                                     default=str))
-    print(f"wrote {stem}.json (the markdown record is written by hand from it)")
+    stem.with_suffix(".md").write_text(render(meta, rows))
 
 
 if __name__ == "__main__":
