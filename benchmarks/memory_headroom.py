@@ -360,7 +360,7 @@ def largest_rows(rows: list[dict], mem_total: int, reserve: int) -> tuple[list[s
 
     The extrapolation fits peak RSS per rank = a + b * Psi through the two largest sizes that
     trained, and solves WORLD * (a + b * Psi) <= mem_total - reserve for Psi."""
-    cols = ["impl", "sizes tried", "largest that trained (peak RSS, 2 ranks)",
+    cols = ["impl", "sizes (x: not run)", "largest that trained (peak RSS, 2 ranks)",
             "next size up", "extrapolated largest Psi for the whole machine"]
     out = []
     for impl in IMPLS:
@@ -368,7 +368,7 @@ def largest_rows(rows: list[dict], mem_total: int, reserve: int) -> tuple[list[s
         if not mine:
             continue
         ok = [r for r in mine if "ranks" in r]
-        tried = ", ".join(r["size"] for r in mine)
+        tried = ", ".join(r["size"] + ("" if "ranks" in r else " x") for r in mine)
         if not ok:
             out.append([impl, tried, "none", mine[0].get("skipped") or mine[0].get("failed", ""),
                         "-"])
@@ -455,15 +455,19 @@ def main() -> None:
         have_deepspeed = False
     meta["deepspeed"] = have_deepspeed
     rows: list[dict] = []
-    if args.append and stem.with_suffix(".json").exists():
-        rows = json.loads(stem.with_suffix(".json").read_text())["rows"]
+    if args.append and stem.with_suffix(".json").exists():  # keep the first run's header
+        old = json.loads(stem.with_suffix(".json").read_text())
+        rows = old["rows"]
+        old["meta"].setdefault("appended", []).append(meta)
+        meta = old["meta"]
     for size in args.sizes:
         pred = prediction(size, args.seq)
         for impl in args.impls:
             if impl == "deepspeed":
-                rows.append({"impl": impl, "size": size, "psi": param_count(config(size, args.seq)),
-                             "skipped": "DeepSpeed is not installed" if not have_deepspeed
-                             else "DeepSpeed meta-device init is not wired up in this script"})
+                row = {"impl": impl, "size": size, "psi": param_count(config(size, args.seq)),
+                       "skipped": "DeepSpeed is not installed" if not have_deepspeed
+                       else "DeepSpeed meta-device init is not wired up in this script"}
+                rows = [r for r in rows if (r["impl"], r["size"]) != (impl, size)] + [row]
                 continue
             print(f"[{time.strftime('%H:%M:%S')}] {impl} {size} ...", flush=True)
             row = run_one(impl, size, args.seq, args.steps, int(args.min_available * GiB),
