@@ -140,9 +140,9 @@ def destroy_process_group_at_exit() -> None:
     """An `atexit` handler for a group fullshard initialized. At a normal exit: wait for every
     rank, then tear the group down, so no rank closes its connections while a peer still
     talks to it. After a failure: just tear down."""
-    from fullshard.launch.subprocess_script import rank_failed
+    from fullshard.launch.subprocess_script import launcher_ends_this_process, rank_failed
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if not (dist.is_available() and dist.is_initialized()) or launcher_ends_this_process():
         return
     try:
         if not rank_failed():

@@ -96,6 +96,14 @@ def rank_failed() -> bool:
     return _FAILED
 
 
+def launcher_ends_this_process() -> bool:
+    """Whether this is a failing rank 0 of `Fabric.launch()`: its exit handler names the
+    failure, ends the children and leaves with `os._exit`, so nothing else should run first.
+    (Tearing the process group down before it would kill the children first -- they lose
+    their peer -- and the report would name a child instead of rank 0.)"""
+    return _FAILED and _LAUNCHING_PARENT
+
+
 def short(exc: BaseException, limit: int = 300) -> str:
     """`Type: first line of the message`, at most `limit` characters."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
