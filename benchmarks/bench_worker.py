@@ -29,6 +29,7 @@ import gc
 import json
 import resource
 import time
+from pathlib import Path
 from typing import Any
 
 import comm_count
@@ -47,6 +48,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="default: the config's default_steps")
     p.add_argument("--warmup", type=int, default=3, help="leading steps left out of the timing")
     p.add_argument("--out", default=None, help="append the JSON record to this file")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="cProfile the timed steps (after warmup) of each rank into "
+                   "DIR/rank<r>.prof (profiling slows the steps: their times mean little)")
     args = p.parse_args()
     if args.steps is None:
         args.steps = CONFIGS[args.config].default_steps
@@ -56,7 +60,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def train(trainer: Trainer, batches: list[torch.Tensor], steps: int, warmup: int,
-          engine: Any, count_comm: bool) -> dict[str, Any]:
+          engine: Any, count_comm: bool, profiler: Any = None) -> dict[str, Any]:
     """Run the steps on this rank; return its timings, losses and measurements.
 
     `engine` is the fullshard module for fullshard implementations (its counters are read),
@@ -71,6 +75,8 @@ def train(trainer: Trainer, batches: list[torch.Tensor], steps: int, warmup: int
         last = step == steps - 1
         if step == warmup and engine is not None:
             engine.reset_memory_stats()
+        if step == warmup and profiler is not None:
+            profiler.enable()
         if last:
             comm_count.start()
             if engine is not None:
@@ -89,6 +95,8 @@ def train(trainer: Trainer, batches: list[torch.Tensor], steps: int, warmup: int
         losses.append(loss.item())
         for phase, seconds in zip(PHASES, (t3 - t0, t1 - t0, t2 - t1, t3 - t2)):
             times[phase].append(seconds)
+    if profiler is not None:
+        profiler.disable()
     return {
         "times": times,
         "losses": losses,
@@ -148,7 +156,15 @@ def main() -> None:
     if impl.family == "fullshard":
         import fullshard as engine
     batches = [rank_rows(b, rank, world) for b in data_pool(cfg)]
-    result = train(trainer, batches, args.steps, args.warmup, engine, distributed)
+    profiler = None
+    if args.profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+    result = train(trainer, batches, args.steps, args.warmup, engine, distributed, profiler)
+    if profiler is not None:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+        profiler.dump_stats(str(Path(args.profile) / f"rank{rank}.prof"))
     ranks = [result]
     if distributed:
         ranks = [None] * world

@@ -11,6 +11,9 @@ our numbers line up with those:
 Every rank builds it after `torch.manual_seed(1234)`, so all ranks (and the single process)
 start from the same weights without a broadcast. Config A is L=4 D=256 (Psi = 7,386,624),
 config B is L=8 D=512 (Psi = 33,674,240); both use sequence 128 and a global batch of 8.
+Config S (L=16 D=64, vocab 512, sequence 16, global batch 4; Psi = 866,432) is latency-bound:
+its compute is tiny, so the per-unit fixed cost of a sharded engine (hooks, bookkeeping, one
+message round per collective) is what its step time shows.
 
 Data is a pool of `POOL_SIZE` seeded random-token batches of shape (global batch, seq + 1),
 cycled step by step (so the loss falls); rank r of N trains on rows [r*B/N, (r+1)*B/N).
@@ -52,6 +55,7 @@ class GPTConfig:
 CONFIGS = {
     "A": GPTConfig("A", layers=4, dim=256, default_steps=20),
     "B": GPTConfig("B", layers=8, dim=512, default_steps=15),
+    "S": GPTConfig("S", layers=16, dim=64, vocab=512, seq=16, global_batch=4, default_steps=40),
 }
 
 

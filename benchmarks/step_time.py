@@ -1,6 +1,7 @@
 """Step time, memory and traffic of fullshard against torch FSDP2, DDP and one process.
 
-    python benchmarks/step_time.py                          # both configs, 3 reps, everything
+    python benchmarks/step_time.py                          # configs A and B, 3 reps, everything
+    python benchmarks/step_time.py --config S               # the latency-bound config (or `all`)
     python benchmarks/step_time.py --config A --steps 4 --warmup 1 --reps 1     # quick check
     python benchmarks/step_time.py --impls 'fullshard-full_shard-*' fsdp2-reshard ddp
     python benchmarks/step_time.py --list                   # the implementations
@@ -49,10 +50,11 @@ _CAUSE_WORDS = ("Error", "error:", "terminate called", "what():", "Signal", "Kil
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--config", default="both", choices=[*CONFIGS, "both"])
+    p.add_argument("--config", default="both", choices=[*CONFIGS, "both", "all"],
+                   help="one config, `both` (A and B, the default) or `all` (A, B and S)")
     p.add_argument("--reps", type=int, default=3, help="interleaved repetitions (default 3)")
     p.add_argument("--steps", type=int, default=None,
-                   help="steps per run, warmup included (default: A 20, B 15)")
+                   help="steps per run, warmup included (default: A 20, B 15, S 40)")
     p.add_argument("--warmup", type=int, default=3, help="untimed leading steps (default 3)")
     p.add_argument("--impls", nargs="+", default=["*"], metavar="PATTERN",
                    help="implementation names or shell patterns (default: all; see --list)")
@@ -227,7 +229,7 @@ def main() -> None:
         for impl in IMPLS:
             print(f"{impl.name:32s} {impl.label}")
         return
-    configs = list(CONFIGS) if args.config == "both" else [args.config]
+    configs = {"both": ["A", "B"], "all": list(CONFIGS)}.get(args.config, [args.config])
     meta = machine_info(args)
     meta["skipped"], meta["failures"] = {}, []
     impls = []

@@ -76,6 +76,18 @@ class Bucket:
             p.offset = offset
             offset += p.layout.padded_shard_numel
         self.numel = offset
+        # The layout arithmetic the hot path needs, computed once (layouts and offsets are
+        # fixed at wrap): each parameter's padded shard size, its slice of the unsharded
+        # buffer (start, stop, shape) and its local rows' slice of a flat shard.
+        s = mesh.shard.size
+        self.piece_sizes = [p.layout.padded_shard_numel for p in self.params]
+        self._view_spans = [
+            (s * p.offset, s * p.offset + p.layout.numel, p.layout.shape) for p in self.params
+        ]
+        self._local_spans = [
+            (p.offset, p.offset + p.layout.local_rows * p.layout.row_numel, p.layout.local_shape)
+            for p in self.params
+        ]
         # With CPU offload the shards (and so .grad and the optimizer state) live in host
         # memory, pinned when a CUDA device will copy from it asynchronously.
         host = torch.device("cpu") if offload else device
@@ -175,7 +187,7 @@ class Bucket:
         # Where the collective can place each parameter's rows itself, ask for that layout.
         segments = None
         if len(self.params) > 1 and comm.gathers_segments(self.mesh.shard):
-            segments = [p.layout.padded_shard_numel for p in self.params]
+            segments = self.piece_sizes
         self._segmented = segments is not None
         self._gather_handle = comm.all_gather(
             out, send, self.mesh.shard, async_op=async_op, segments=segments, label=self.label,
@@ -199,7 +211,7 @@ class Bucket:
         param_major = track(torch.empty_like(out), "param")
         torch.split_with_sizes_copy(
             out.view(s, self.numel),
-            [p.layout.padded_shard_numel for p in self.params],
+            self.piece_sizes,
             dim=1,
             out=[self._param_major_slice(param_major, p).view(s, -1) for p in self.params],
         )
@@ -215,12 +227,7 @@ class Bucket:
         """The original-shape tensors of this bucket's parameters: views of `unsharded`."""
         buf = self.unsharded
         assert buf is not None, "bucket is not gathered"
-        views = []
-        s = self.shard_size
-        for p in self.params:
-            start = s * p.offset
-            views.append(buf[start : start + p.layout.numel].view(p.layout.shape))
-        return views
+        return [buf[start:stop].view(shape) for start, stop, shape in self._view_spans]
 
     def release(self) -> None:
         """Drop the unsharded buffer (waiting for a gather still in flight first)."""
@@ -267,14 +274,14 @@ class Bucket:
         is none), so that a `zero_grad` during the window can be seen (`accumulation_abandoned`).
         The placeholders are removed when the window's reduction writes the real gradients."""
         marks = []
-        for p in self.params:
+        for i, p in enumerate(self.params):
             param = p.param
             if not param.requires_grad:
                 continue
             if param.grad is None:
                 if self._placeholder is None:
                     self._placeholder = torch.zeros_like(self.shard_flat)
-                param.grad = self._local(self._placeholder, p)
+                param.grad = self._local_at(self._placeholder, i)
             marks.append((param, param.grad, param.grad._version))
         self._grad_marks = marks
 
@@ -329,9 +336,10 @@ class Bucket:
         self.accumulated_grad = None
         self._clear_placeholders()
 
-    def _local(self, flat: torch.Tensor, p: ShardedParam) -> torch.Tensor:
-        n = p.layout.local_rows * p.layout.row_numel
-        return flat[p.offset : p.offset + n].view(p.layout.local_shape)
+    def _local_at(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter i's real local rows inside `flat` (a flat shard-sized tensor)."""
+        start, stop, shape = self._local_spans[i]
+        return flat[start:stop].view(shape)
 
 
 class PendingReduction:
@@ -385,9 +393,8 @@ class PendingReduction:
                 )
             else:
                 assert unpacked is not None
-                sizes = [p.layout.padded_shard_numel for p in bucket.params]
                 self._handle = comm.reduce_scatter_segments(
-                    self.output, unpacked, sizes, mesh.shard, async_op=True,
+                    self.output, unpacked, bucket.piece_sizes, mesh.shard, async_op=True,
                     label=bucket.label, check=bucket.check_reduce,
                 )
             self._replicate_pending = mesh.replicate.size > 1
@@ -427,8 +434,8 @@ class PendingReduction:
         out = out.to(bucket.shard_flat.device, bucket.grad_dtype)
         result: list[torch.Tensor | None] = []
         with torch.no_grad():
-            for p, write, unused in zip(bucket.params, self.write, self.unused):
-                grad = bucket._local(out, p) if write else None
+            for i, (p, write, unused) in enumerate(zip(bucket.params, self.write, self.unused)):
+                grad = bucket._local_at(out, i) if write else None
                 if grad is not None and unused and _all_negative_zero(grad):
                     grad = None  # no rank used it (see Bucket.unused_grad)
                 result.append(grad)

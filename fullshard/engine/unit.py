@@ -207,6 +207,8 @@ class Unit:
 
     def frozen_pairs(self) -> list[tuple[ShardedParam, torch.Tensor]]:
         """(param, view) of every parameter not routed through GatheredParams this step."""
+        if len(self.trainable_params) == len(self.params):
+            return []  # the common case: everything trainable (no views to build)
         routed = {id(p) for p in self.trainable_params}
         return [
             (p, v)

@@ -33,7 +33,8 @@ def _grads(rank: int) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=gen) for shape in SHAPES]
 
 
-def _reduce_scatter_segments() -> dict:
+def _reduce_scatter_segments(coalesce_bytes: int) -> dict:
+    comm.COALESCE_BYTES = coalesce_bytes  # per rank process; the next call sets it again
     shard = comm.Group.from_process_group()
     size, rank = shard.size, shard.rank
     layouts = [ShardLayout(torch.Size(s), size, rank) for s in SHAPES]
@@ -73,8 +74,9 @@ def _reduce_scatter_segments() -> dict:
     }
 
 
-def test_reduce_scatter_segments_equals_the_definition(group):
-    for got in group.run(_reduce_scatter_segments):
+@pytest.mark.parametrize("coalesce_bytes", [1 << 20, 0], ids=["coalesced", "per-piece"])
+def test_reduce_scatter_segments_equals_the_definition(group, coalesce_bytes):
+    for got in group.run(_reduce_scatter_segments, coalesce_bytes):
         torch.testing.assert_close(got["out"], got["expected"], rtol=0, atol=0)
         torch.testing.assert_close(got["from_packed"], got["expected"], rtol=0, atol=0)
         assert got["stats"]["calls"] == 1
@@ -83,7 +85,8 @@ def test_reduce_scatter_segments_equals_the_definition(group):
         assert got["stats"]["wire_bytes"] == got["real_bytes_of_peers"]
 
 
-def _all_gather_segments() -> list[torch.Tensor]:
+def _all_gather_segments(coalesce_bytes: int) -> list[torch.Tensor]:
+    comm.COALESCE_BYTES = coalesce_bytes
     shard = comm.Group.from_process_group()
     size, rank = shard.size, shard.rank
     layouts = [ShardLayout(torch.Size(s), size, rank) for s in SHAPES]
@@ -98,9 +101,42 @@ def _all_gather_segments() -> list[torch.Tensor]:
     return [out, expected]
 
 
-def test_segmented_all_gather_lands_each_piece_in_place(group):
-    for out, expected in group.run(_all_gather_segments):
+@pytest.mark.parametrize("coalesce_bytes", [1 << 20, 0], ids=["coalesced", "per-piece"])
+def test_segmented_all_gather_lands_each_piece_in_place(group, coalesce_bytes):
+    for out, expected in group.run(_all_gather_segments, coalesce_bytes):
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def _messages_per_peer(coalesce_bytes: int) -> dict:
+    """Point-to-point sends of one labelled segmented all-gather and reduce-scatter."""
+    comm.COALESCE_BYTES = coalesce_bytes
+    shard = comm.Group.from_process_group()
+    size, rank = shard.size, shard.rank
+    layouts = [ShardLayout(torch.Size(s), size, rank) for s in SHAPES]
+    sizes = [lay.padded_shard_numel for lay in layouts]
+    sends = []
+    isend = comm.dist.isend
+    comm.dist.isend = lambda t, *a, **k: sends.append(t.numel()) or isend(t, *a, **k)
+    try:
+        out = torch.empty(size * sum(sizes))
+        comm.all_gather(out, torch.ones(sum(sizes)), shard, segments=sizes, label="u", check=True)
+        gather_sends, sends[:] = len(sends), []
+        grads = [g.reshape(-1) for g in _grads(rank)]
+        comm.reduce_scatter_segments(torch.empty(sum(sizes)), grads, sizes, shard, label="u")
+        reduce_sends = len(sends)
+    finally:
+        comm.dist.isend = isend
+    return {"gather": gather_sends, "reduce": reduce_sends}
+
+
+def test_small_segmented_exchanges_send_one_message_per_peer(group):
+    """Below COALESCE_BYTES a bucket's pieces travel together: one data message per peer
+    (plus the divergence header), not one per piece -- the fixed cost of small units."""
+    peers = group.world_size - 1
+    for got in group.run(_messages_per_peer, 1 << 20):
+        assert got == {"gather": 2 * peers, "reduce": 2 * peers}  # header + data
+    for got in group.run(_messages_per_peer, 0):  # per piece (what large buckets do)
+        assert got["gather"] == peers * (1 + len(SHAPES))
 
 
 def _native_collectives() -> dict:
