@@ -59,11 +59,12 @@ from typing import Any, NamedTuple
 
 import torch
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fullshard.config import ShardingPlan
 from fullshard.distributed.mesh import ShardMesh
 from fullshard.engine.bucket import Bucket, PendingReduction
+from fullshard.engine.precision import cast_floating
 from fullshard.engine.unit import BackwardDone, Unit, UnitState
 
 
@@ -73,15 +74,6 @@ class _SavedParamView(NamedTuple):
     size: torch.Size
     stride: tuple[int, ...]
     offset: int
-
-
-def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    def cast(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
-            return x.to(dtype)
-        return x
-
-    return tree_map(cast, tree)
 
 
 def _in_backward() -> bool:
@@ -184,7 +176,7 @@ class Runtime:
             self._saved_hooks.__enter__()
         dtype = self.input_dtypes.get(unit)
         if dtype is not None:
-            args, kwargs = _cast_floating((args, kwargs), dtype)
+            args, kwargs = cast_floating((args, kwargs), dtype)
         if (
             with_grad
             and not recomputing
