@@ -1,0 +1,135 @@
+"""What comm.py's collectives return and count: the `Group` a collective runs on, the
+per-kind counters behind `comm_stats()`, and the `CommHandle` of a collective in flight.
+
+Nothing here issues a collective (comm.py is the only module that does); it is split out of
+comm.py so that file can stay about the algorithms. comm.py re-exports every name.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:  # only for the annotation of CommHandle's constructor (not introspected)
+    from fullshard.distributed.comm import _Header
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "scatter")
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group together with the facts about it that the hot path needs."""
+
+    pg: Any
+    """The `ProcessGroup`, or None for the default (world) group."""
+    size: int
+    rank: int
+    """This process's rank inside the group."""
+    ranks: tuple[int, ...]
+    """Global ranks of the members, in group-rank order."""
+    backend: str
+
+    @classmethod
+    def from_process_group(cls, pg: Any = None) -> Group:
+        ranks = tuple(dist.get_process_group_ranks(pg or dist.group.WORLD))
+        return cls(
+            pg=pg,
+            size=dist.get_world_size(pg),
+            rank=dist.get_rank(pg),
+            ranks=ranks,
+            backend=str(dist.get_backend(pg)).lower(),
+        )
+
+
+class _Counters:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.calls = dict.fromkeys(KINDS, 0)
+            self.bytes = dict.fromkeys(KINDS, 0)
+            self.wire_bytes = dict.fromkeys(KINDS, 0)
+
+    def add(self, kind: str, nbytes: int, wire: float) -> None:
+        with self._lock:
+            self.calls[kind] += 1
+            self.bytes[kind] += nbytes
+            self.wire_bytes[kind] += int(wire)
+
+
+_COUNTERS = _Counters()
+
+
+def comm_stats() -> dict[str, dict[str, int]]:
+    """Collectives issued by this process since the last reset, by kind.
+
+    Returns `{kind: {"calls": int, "bytes": int, "wire_bytes": int}}` for every kind in
+    `KINDS` (see the module docstring for what the numbers mean).
+    """
+    c = _COUNTERS
+    return {
+        k: {"calls": c.calls[k], "bytes": c.bytes[k], "wire_bytes": c.wire_bytes[k]} for k in KINDS
+    }
+
+
+def reset_comm_stats() -> None:
+    """Set every collective counter back to zero."""
+    _COUNTERS.reset()
+
+
+class CommHandle:
+    """A collective in flight. `wait()` is idempotent."""
+
+    __slots__ = ("_work", "_on_done", "_refs", "_header", "done")
+
+    def __init__(
+        self,
+        work: Any = None,
+        on_done: Callable[[], None] | None = None,
+        refs: tuple = (),
+        header: _Header | None = None,
+    ) -> None:
+        self._work = work  # a Work, or a list of them (pairwise exchanges)
+        self._on_done = on_done
+        self._refs = refs  # keeps input/output alive until the collective is complete
+        self._header = header  # checked before any data is waited for
+        self.done = work is None and on_done is None
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        if self._header is not None:
+            header, self._header = self._header, None
+            header.check()
+        if isinstance(self._work, list):
+            for w in self._work:
+                w.wait()
+        elif self._work is not None:
+            self._work.wait()
+        if self._on_done is not None:
+            self._on_done()
+        self._work = self._on_done = None
+        self._refs = ()
+        self.done = True
+
+
+_DONE = CommHandle()
+
+
+def _settle(handle: CommHandle, async_op: bool) -> CommHandle:
+    """What a collective returns: its handle if asynchronous, else done (after waiting)."""
+    if async_op:
+        return handle
+    handle.wait()
+    return _DONE
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
