@@ -42,10 +42,8 @@ import datetime as _dt
 import functools
 import json
 import os
-import platform
 import queue
 import socket
-import subprocess
 import sys
 import time
 import traceback
@@ -60,6 +58,7 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from gpt import GPT, Block, GPTConfig, lm_loss, param_count  # noqa: E402
 from impls import LR, _torch_state, unique_storage_bytes  # noqa: E402
+from precision_memory import machine as precision_memory_machine  # noqa: E402
 
 GiB = 2**30
 MiB = 2**20
@@ -411,19 +410,10 @@ def render(meta: dict[str, Any], rows: list[dict]) -> str:
 
 
 def machine() -> dict[str, Any]:
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True,
-                                  timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
+    """precision_memory's machine facts (torch, commit, load), plus the total memory."""
     with open("/proc/meminfo") as f:
         total = int(f.readline().split()[1]) * 1024
-    return {"cpus": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "mem_total": total, "commit": git("rev-parse", "HEAD"),
-            "dirty": bool(git("status", "--porcelain")), "loadavg": os.getloadavg()}
+    return {**precision_memory_machine(), "mem_total": total}
 
 
 def main() -> None:
