@@ -68,7 +68,7 @@ def train(trainer: Trainer, batches: list[torch.Tensor], steps: int, warmup: int
     """
     times: dict[str, list[float]] = {phase: [] for phase in PHASES}
     losses: list[float] = []
-    comm_c10d = comm_engine = None
+    comm_c10d = comm_engine = comm_headers = None
     for step in range(steps):
         batch = batches[step % len(batches)]
         inputs, targets = batch[:, :-1], batch[:, 1:]
@@ -92,6 +92,10 @@ def train(trainer: Trainer, batches: list[torch.Tensor], steps: int, warmup: int
         if last:
             comm_c10d = comm_count.stop() if count_comm else None
             comm_engine = engine.comm_stats() if engine is not None else None
+            if engine is not None:  # divergence headers: on the wire, not in comm_stats()
+                from fullshard.distributed.comm import header_stats
+
+                comm_headers = header_stats()
         losses.append(loss.item())
         for phase, seconds in zip(PHASES, (t3 - t0, t1 - t0, t2 - t1, t3 - t2)):
             times[phase].append(seconds)
@@ -104,6 +108,7 @@ def train(trainer: Trainer, batches: list[torch.Tensor], steps: int, warmup: int
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "comm_c10d": comm_c10d,
         "comm_fullshard": comm_engine,
+        "comm_headers": comm_headers,
         "engine_memory": engine.memory_stats() if engine is not None else None,
     }
 
@@ -127,7 +132,7 @@ def assemble(impl: Impl, cfg: GPTConfig, args: argparse.Namespace, psi: int,
     for phase in PHASES:
         record[f"{phase}_s"] = per_step([r["times"][phase] for r in ranks], max)
     for key in ("state_bytes", "peak_rss_bytes", "comm_c10d", "comm_fullshard",
-                "engine_memory"):
+                "comm_headers", "engine_memory"):
         values = [r[key] for r in ranks]
         record[key] = None if all(v is None for v in values) else values
     record["wall_s"] = wall_s

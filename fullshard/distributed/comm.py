@@ -9,48 +9,11 @@ for (`all_gather`, `reduce_scatter`, `all_reduce`, `broadcast`, `scatter`) -- wi
   reduce-scatter, the tensor of an all-reduce or broadcast, everything a scatter hands out);
 - `wire_bytes`: what this rank actually sends for it with the algorithm we used.
 
-[Note: gloo's all-gather and reduce-scatter]
-On gloo (CPU) we do not call the all-gather / reduce-scatter collectives: gloo implements
-reduce-scatter as an all-reduce plus a chunk (twice the traffic) and its all-gather peaks at
-~8 MB per call, so both are several times slower than the network allows (measured on this
-2-core machine at 32 MB, 2 ranks: all_gather 47 ms, reduce_scatter 61 ms, all_reduce 25 ms).
-Instead each rank exchanges chunks directly with every peer (`isend`/`irecv`, all posted at
-once, matched by a per-group tag sequence): an all-gather sends our shard to each peer and
-receives theirs into place; a reduce-scatter sends peer j its chunk j and sums the N chunks of
-ours in rank order (so every rank's sum has the same rounding). Each rank sends exactly
-B·(N−1)/N bytes -- the ring optimum -- and the same 32 MB took ~14 ms either way. Both can
-work piece by piece: `all_gather(segments=)` lands each parameter's rows in place, and
-`reduce_scatter_segments` sends each peer its rows straight from every unpacked gradient (no
-packed copy, no padding on the wire: wire bytes count what is really sent). With many
-ranks this is N−1 messages per collective instead of a ring's pipeline; NCCL keeps its own
-collectives, which already are optimal. Piece by piece means one message per piece and peer,
-and each gloo message has a fixed cost (~0.1 ms here); so exchanges of at most
-`COALESCE_BYTES` per rank send their pieces together, one message per peer, at the price of
-one copy of what is exchanged (`_coalesce`): a small transformer block's gather went from ~12
-messages per peer to one.
-
-[Note: ranks that run different units]
-Every exchange is matched by its position in the group's sequence, so all ranks must issue
-the engine's collectives in the same order. When they do not (LayerDrop with a per-rank RNG, an
-MoE expert skipped on one rank, a data-dependent branch), the k-th exchange of one rank meets
-the k-th of another that moves different rows: a hang, a size-mismatch crash or, when sizes
-coincide, a silent exchange of the wrong unit's data. So the engine labels each exchange
-(`label=`: the unit and bucket) and, on gloo:
-- every point-to-point tag mixes the collective's sequence number, the crc32 of kind + label
-  and the piece index, so a message of one unit can never be received as another's (tags that
-  collide are harmless: gloo matches equal tags in posting order, the same on every rank);
-- exchanges that open a unit's gathers or reductions (`check=True`: the engine sets it on the
-  first bucket of a unit, where any divergence begins, since a unit's buckets are issued
-  back to back) also send every peer a 16-byte header `(sequence number, crc32 of kind +
-  label)` under a tag that does not depend on the label, and `wait()` checks the headers
-  before it waits for any data: a mismatch raises `RankDivergenceError` on every rank
-  involved, naming each rank's unit, as soon as both reach the exchange.
-Cost: one tiny message per peer for each unit's gather and reduction, no extra collective
-(headers are not counted in `comm_stats()`; one header per bucket cost ~0.25 ms each on this
-loaded 2-core machine, too much for NONE bucketing). What it cannot see: a rank that stops
-communicating altogether (the others then wait until the process group's timeout), and the
-NCCL path (no headers: collectives are matched by NCCL). Identifiers, tags and the error's
-wording live in divergence.py.
+On gloo, all-gathers and reduce-scatters run as point-to-point exchanges (pairwise.py holds
+the algorithms and the notes on them and on ranks that run different units); comm.py decides
+which one runs: one message per piece for large exchanges, one packed message per peer for
+small ones (`_small`), several small collectives in one exchange when the engine issues them
+together (`all_gather_batch`, `reduce_scatter_batch`: each still counts as one call).
 
 [Note: the NCCL algorithm on gloo, for tests]
 `use_native_collectives(True)` (or FULLSHARD_NATIVE_COLLECTIVES=1 in the environment) makes
@@ -81,7 +44,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -92,16 +55,25 @@ from fullshard.distributed.comm_handles import KINDS as KINDS
 from fullshard.distributed.comm_handles import CommHandle as CommHandle
 from fullshard.distributed.comm_handles import Group as Group
 from fullshard.distributed.comm_handles import comm_stats as comm_stats
+from fullshard.distributed.comm_handles import header_stats as header_stats
 from fullshard.distributed.comm_handles import reset_comm_stats as reset_comm_stats
 from fullshard.distributed.divergence import RankDivergenceError as RankDivergenceError
-from fullshard.distributed.divergence import divergence_message, exchange_id
+from fullshard.distributed.divergence import exchange_id
 from fullshard.distributed.divergence import register_label as register_label
-from fullshard.distributed.divergence import tag as _tag
+from fullshard.distributed.pairwise import (
+    HEADER_MAX,
+    MAX_BATCH,
+    Header,
+    all_gather_packed,
+    all_gather_pairwise,
+    reduce_scatter_packed,
+    reduce_scatter_pairwise,
+    segments_plan,
+)
 
 # torch 2.13 renamed the tensor collectives; the old names still exist but warn.
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
 
 
 _SEQ: dict[int, int] = {}
@@ -130,37 +102,6 @@ def _use_pairwise(group: Group) -> bool:
     return group.backend == "gloo" and not _NATIVE_ON_GLOO
 
 
-class _Header:
-    """The 16-byte header of one labelled exchange: sent to and received from every peer."""
-
-    __slots__ = ("group", "mine", "theirs", "works")
-
-    def __init__(self, group: Group, seq: int, ident: int) -> None:
-        self.group = group
-        self.mine = torch.tensor([seq, ident], dtype=torch.int64)
-        self.theirs = torch.empty(group.size, 2, dtype=torch.int64)
-        tag = _tag(seq, 0, 0)
-        size, rank = group.size, group.rank
-        self.works = []
-        for step in range(1, size):
-            dst, src = (rank + step) % size, (rank - step) % size
-            into = self.theirs[src]
-            self.works.append(dist.isend(self.mine, group.ranks[dst], group=group.pg, tag=tag))
-            self.works.append(dist.irecv(into, group.ranks[src], group=group.pg, tag=tag))
-
-    @property
-    def seq(self) -> int:
-        return int(self.mine[0])
-
-    def check(self) -> None:
-        for w in self.works:
-            w.wait()
-        self.theirs[self.group.rank] = self.mine
-        if bool((self.theirs == self.mine).all()):
-            return
-        raise RankDivergenceError(divergence_message(self.seq, self.group.ranks, self.theirs))
-
-
 def gathers_segments(group: Group) -> bool:
     """Whether `all_gather(..., segments=...)` can land data parameter-major by itself."""
     return group.size > 1 and _use_pairwise(group)
@@ -184,7 +125,7 @@ def all_gather(
     rank, in rank order, then piece j+1 -- each parameter's rows contiguous, straight from
     the wire with no copy-out. That costs one message per piece and peer instead of one per
     peer; on gloo that is cheaper than copying the whole output once more, except for small
-    exchanges, which go as one message per peer and are placed by one copy (`_coalesce`).
+    exchanges, which go as one message per peer and are placed by one copy (`_small`).
 
     `label` (e.g. the unit and bucket) goes into the tags and, with `check`, into a header
     checked on gloo: see the note on ranks that run different units.
@@ -192,106 +133,104 @@ def all_gather(
     if group.size == 1:
         output.copy_(input.reshape(output.shape))
         return _DONE
-    n = _nbytes(output)
-    _COUNTERS.add("all_gather", n, n * (group.size - 1) / group.size)
-    seq, ident, header = _sequence(group, "all_gather", label, check)
-    if _use_pairwise(group):
-        size, rank = group.size, group.rank
-        flat_in, flat_out = input.reshape(-1), output.view(-1)
-        pieces = list(segments) if segments is not None else [flat_in.numel()]
-        if len(pieces) > 1 and _coalesce(group, _nbytes(flat_in), len(pieces)):
-            return _all_gather_coalesced(output, input, pieces, group, seq, ident, header,
-                                         async_op)
-        works, start = [], 0
-        for j, piece in enumerate(pieces):
-            mine = flat_in[start : start + piece]
-            slots = flat_out[size * start : size * (start + piece)].view(size, piece)
-            slots[rank].copy_(mine)
-            tag = _tag(seq, ident, j + 1)
-            for step in range(1, size):
-                dst, src = (rank + step) % size, (rank - step) % size
-                works.append(dist.isend(mine, group.ranks[dst], group=group.pg, tag=tag))
-                works.append(dist.irecv(slots[src], group.ranks[src], group=group.pg, tag=tag))
-            start += piece
-        handle = CommHandle(works, refs=(output, input), header=header)
-    else:
-        if segments is not None and len(segments) > 1:
+    return all_gather_batch(
+        [(output, input, segments, label)], group, async_op=async_op, check=check
+    )[0]
+
+
+def all_gather_batch(
+    items: Sequence[tuple[torch.Tensor, torch.Tensor, Sequence[int] | None, str | None]],
+    group: Group,
+    *,
+    async_op: bool = False,
+    check: bool | Sequence[bool] = True,
+) -> list[CommHandle]:
+    """Several all-gathers `(output, input, segments, label)` issued together (see
+    `all_gather` for each). On gloo, when the inputs (of one dtype) add up to at most
+    `COALESCE_BYTES`, they travel as one exchange -- one message per peer, a header folded in
+    -- and share one handle: the engine gathers several small units at once this way. Each
+    still counts as one all-gather. Otherwise they are issued one after the other, item i
+    with its header if `check` (or `check[i]`)."""
+    pairwise = _use_pairwise(group)
+    for _, _, segments, _ in items:
+        if segments is not None and len(segments) > 1 and not pairwise:
             raise ValueError("segment-major all-gather needs gathers_segments(group)")
-        work = _all_gather_into(output, input, group=group.pg, async_op=True)
-        handle = CommHandle(work, refs=(output, input), header=header)
-    return _settle(handle, async_op)
+    for output, *_ in items:
+        n = _nbytes(output)
+        _COUNTERS.add("all_gather", n, n * (group.size - 1) / group.size)
+    checks = [check] * len(items) if isinstance(check, bool) else list(check)
+    total = sum(_nbytes(input) for _, input, _, _ in items)
+    if pairwise and _batchable(items, total, (x[1] for x in items)):
+        seq = _next_seq(group)
+        idents = [exchange_id("all_gather", lab or "") for _, _, _, lab in items]
+        handle = all_gather_packed(items, group, seq, idents, True, _header_capacity())
+        return [_settle(handle, async_op)] * len(items)
+    handles = []
+    for (output, input, segments, label), check in zip(items, checks):
+        flat_in = input.reshape(-1)
+        pieces = list(segments) if segments is not None else [flat_in.numel()]
+        packed = (
+            pairwise and _small(_nbytes(flat_in)) and (len(pieces) > 1 or bool(label and check))
+        )
+        seq, ident, header = _sequence(group, "all_gather", label, check, fold=packed)
+        if packed:
+            handle = all_gather_packed(
+                [(output, input, pieces, label)], group, seq, [ident], header, _header_capacity()
+            )
+        elif pairwise:
+            handle = all_gather_pairwise(output, flat_in, pieces, group, seq, ident, header)
+        else:
+            work = _all_gather_into(output, input, group=group.pg, async_op=True)
+            handle = CommHandle(work, refs=(output, input), header=header)
+        handles.append(_settle(handle, async_op))
+    return handles
 
 
 COALESCE_BYTES = 1 << 20
 """Pairwise exchanges of at most this many bytes per rank go out as one message per peer,
-even when split into segments (see `_coalesce`). 0 turns coalescing off."""
+even when split into segments or made of several units' buckets (see `_small`); the engine
+gathers and reduces consecutive small units together up to this size. 0 turns it off."""
 
 
-def _coalesce(group: Group, nbytes: int, pieces: int) -> bool:
-    """Send a segmented pairwise exchange of `nbytes` per rank as one message per peer?
-
-    Each gloo message costs a fixed ~0.1 ms of Python, c10d and wake-up (profiled on 2 ranks:
-    isend + irecv + wait), which is what small units pay: a transformer block is ~12 pieces,
-    so ~24 messages per peer and collective. Coalescing costs one copy of what is exchanged
-    (packing on the send side of a reduce-scatter, placing on the receive side of an
-    all-gather), which is far cheaper than the messages below `COALESCE_BYTES`; above it the
-    copy grows with the data while the messages' cost does not, so large buckets keep one
-    message per piece (no copy). The decision depends only on sizes, so every rank of the
-    group makes the same one (the messages must match)."""
-    return pieces > 1 and 0 < nbytes <= COALESCE_BYTES and group.size > 1
+def _batchable(items: Sequence[Any], nbytes: int, tensors: Iterable[torch.Tensor]) -> bool:
+    """Send these collectives (`nbytes` per rank in all) as one exchange? Small, of one
+    dtype, and not too many for one header."""
+    return 1 < len(items) <= MAX_BATCH and _small(nbytes) and len({t.dtype for t in tensors}) == 1
 
 
-def _all_gather_coalesced(
-    output: torch.Tensor,
-    input: torch.Tensor,
-    pieces: list[int],
-    group: Group,
-    seq: int,
-    ident: int,
-    header: _Header | None,
-    async_op: bool,
-) -> CommHandle:
-    """A segmented all-gather in one message per peer (see `_coalesce`): our whole input goes
-    to each peer; each peer's input lands in a staging row and is split into its place in
-    every segment once it is complete (`wait()`). Same output, same bytes on the wire."""
-    size, rank = group.size, group.rank
-    flat_in, flat_out = input.reshape(-1), output.view(-1)
-    regions, start = [], 0
-    for piece in pieces:  # each segment viewed (size, piece): row r is rank r's piece
-        regions.append(flat_out[size * start : size * (start + piece)].view(size, piece))
-        start += piece
-    torch.split_with_sizes_copy(flat_in, pieces, out=[reg[rank] for reg in regions])
-    staged = flat_in.new_empty((size - 1, flat_in.numel()))  # row r - (r > rank): rank r's
-    tag = _tag(seq, ident, 1)
-    works = []
-    for step in range(1, size):
-        dst, src = (rank + step) % size, (rank - step) % size
-        works.append(dist.isend(flat_in, group.ranks[dst], group=group.pg, tag=tag))
-        works.append(dist.irecv(staged[src - (src > rank)], group.ranks[src], group=group.pg,
-                                tag=tag))
+def _header_capacity() -> int:
+    """Bytes of every receive that may meet a header: the largest folded message (see
+    pairwise.py's note on ranks that run different units), in whole int64 words."""
+    return HEADER_MAX + -(-max(COALESCE_BYTES, 0) // 8) * 8
 
-    def place() -> None:
-        for r in range(size):
-            if r != rank:
-                torch.split_with_sizes_copy(staged[r - (r > rank)], pieces,
-                                            out=[reg[r] for reg in regions])
 
-    # The caller's objects themselves, not views: memory.track counts a tensor until the
-    # object dies, and the bucket relies on the handle to keep a cast input alive.
-    handle = CommHandle(works, on_done=place, refs=(output, input, staged), header=header)
-    return _settle(handle, async_op)
+def _small(nbytes: int) -> bool:
+    """Send a pairwise exchange of `nbytes` per rank as one message per peer (`*_packed`)?
+
+    Each gloo message costs a fixed ~0.1-0.2 ms of Python, c10d and wake-up (profiled on 2
+    ranks: isend + irecv + wait; on a loaded step more, since each is a point where ranks wait
+    for each other), which is what small units pay: a transformer block is ~12 pieces, so ~24
+    messages per peer and collective, and a header message is as dear as a block's. Packing
+    costs one copy of what is exchanged, far cheaper than the messages below `COALESCE_BYTES`;
+    above it the copy grows with the data while the messages' cost does not, so large buckets
+    keep one message per piece (no copy) and a header of their own. The decision depends only
+    on sizes, so every rank of the group makes the same one (the messages must match)."""
+    return 0 < nbytes <= COALESCE_BYTES
 
 
 def _sequence(
-    group: Group, kind: str, label: str | None, check: bool
-) -> tuple[int, int, _Header | None]:
-    """The collective's sequence number, its kind + label hash (for the tags) and the header
-    posted for it (gloo, labelled, `check`), if any."""
+    group: Group, kind: str, label: str | None, check: bool, *, fold: bool = False
+) -> tuple[int, int, Any]:
+    """The collective's sequence number, its kind + label hash (for the tags) and its header
+    (gloo, labelled, `check`): with `fold`, True when the caller folds it into its data
+    messages, else the `Header` posted here (or None/False when there is none)."""
     seq = _next_seq(group)
     ident = exchange_id(kind, label or "")
     if label is None or not check or group.backend != "gloo":
-        return seq, ident, None
-    return seq, ident, _Header(group, seq, ident)
+        return seq, ident, False if fold else None
+    if fold:
+        return seq, ident, True
+    return seq, ident, Header(group, seq, [ident], capacity=_header_capacity())
 
 
 def reduce_scatter(
@@ -345,118 +284,44 @@ def reduce_scatter_segments(
     straight into `output` and ours added to it (a + b == b + a bit for bit). The inputs must
     stay unmodified until `wait()` returns.
     """
+    return reduce_scatter_batch(
+        [(output, inputs, sizes, label)], group, async_op=async_op, check=check
+    )[0]
+
+
+def reduce_scatter_batch(
+    items: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor], Sequence[int], str | None]],
+    group: Group,
+    *,
+    async_op: bool = False,
+    check: bool | Sequence[bool] = True,
+) -> list[CommHandle]:
+    """Several `reduce_scatter_segments` `(output, inputs, sizes, label)` issued together:
+    as one exchange sharing one handle when their outputs add up to at most `COALESCE_BYTES`
+    (the same rule and header as `all_gather_batch`), else one after the other."""
     if not gathers_segments(group):
         raise ValueError("reduce_scatter_segments needs gathers_segments(group)")
-    size, rank = group.size, group.rank
-    seq, ident, header = _sequence(group, "reduce_scatter", label, check)
-    flat_out = output.view(-1)
-    pieces = []  # (flat input, segment size, elements of every rank's chunk)
-    offset = 0
-    for x, n in zip(inputs, sizes):
-        x = x.view(-1)
-        pieces.append((x, n, [max(0, min(n, x.numel() - r * n)) for r in range(size)]))
-        offset += n
-    if offset != flat_out.numel():
-        raise ValueError(f"segment sizes add up to {offset}, output has {flat_out.numel()}")
-    if _coalesce(group, output.element_size() * offset, len(pieces)):
-        return _reduce_scatter_coalesced(
-            flat_out, inputs, pieces, group, seq, ident, header, async_op
-        )
-    direct = size == 2
-    # Received chunks of the peers in rank order (row r - (r > rank)); none on two ranks.
-    received = None if direct else output.new_empty((size - 1, output.numel()))
-    works, wire, offset, plan = [], 0, 0, []
-    for j, (x, n, real) in enumerate(pieces):
-        mine = real[rank]
-        tag = _tag(seq, ident, j + 1)
-        for step in range(1, size):
-            dst, src = (rank + step) % size, (rank - step) % size
-            if real[dst] > 0:
-                chunk = x[dst * n : dst * n + real[dst]]
-                works.append(dist.isend(chunk, group.ranks[dst], group=group.pg, tag=tag))
-                wire += _nbytes(chunk)
-            if mine > 0:
-                into = flat_out if received is None else received[src - (src > rank)]
-                into = into[offset : offset + mine]
-                works.append(dist.irecv(into, group.ranks[src], group=group.pg, tag=tag))
-        plan.append((x[rank * n : rank * n + mine], offset, mine, n))
-        offset += n
-    _COUNTERS.add("reduce_scatter", size * _nbytes(output), wire)
-
-    def sum_in_rank_order() -> None:
-        for own, start, mine, n in plan:
-            out = flat_out[start : start + mine]
-            if received is None:
-                out.add_(own)
-            elif mine > 0:
-                parts = [own if r == rank else received[r - (r > rank), start : start + mine]
-                         for r in range(size)]
-                torch.add(parts[0], parts[1], out=out)
-                for part in parts[2:]:
-                    out.add_(part)
-            flat_out[start + mine : start + n].zero_()
-
-    handle = CommHandle(
-        works, on_done=sum_in_rank_order, refs=(output, tuple(inputs), received), header=header
-    )
-    return _settle(handle, async_op)
-
-
-def _reduce_scatter_coalesced(
-    flat_out: torch.Tensor,
-    inputs: Sequence[torch.Tensor],
-    pieces: list[tuple[torch.Tensor, int, list[int]]],
-    group: Group,
-    seq: int,
-    ident: int,
-    header: _Header | None,
-    async_op: bool,
-) -> CommHandle:
-    """`reduce_scatter_segments` in one message per peer (see `_coalesce`): peer j's real
-    elements of every piece, concatenated (one copy of what is sent), received into a compact
-    staging row per peer and summed from there into the segments, in rank order as always
-    (on two ranks: peer + own, the same operands and order as the per-piece path)."""
-    size, rank = group.size, group.rank
-    counts = [sum(real[r] for _, _, real in pieces) for r in range(size)]
-    mine_total = counts[rank]
-    staged = flat_out.new_empty((size - 1, mine_total))  # row r - (r > rank): rank r's chunks
-    tag = _tag(seq, ident, 1)
-    works, wire, sends = [], 0, []
-    for step in range(1, size):
-        dst, src = (rank + step) % size, (rank - step) % size
-        if counts[dst] > 0:
-            chunks = [x[dst * n : dst * n + real[dst]] for x, n, real in pieces if real[dst]]
-            send = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
-            sends.append(send)
-            works.append(dist.isend(send, group.ranks[dst], group=group.pg, tag=tag))
-            wire += _nbytes(send)
-        if mine_total > 0:
-            into = staged[src - (src > rank)]
-            works.append(dist.irecv(into, group.ranks[src], group=group.pg, tag=tag))
-    _COUNTERS.add("reduce_scatter", size * _nbytes(flat_out), wire)
-
-    def sum_in_rank_order() -> None:
-        start = compact = 0
-        for x, n, real in pieces:
-            mine = real[rank]
-            if mine > 0:
-                out = flat_out[start : start + mine]
-                parts = [x[rank * n : rank * n + mine] if r == rank
-                         else staged[r - (r > rank), compact : compact + mine]
-                         for r in range(size)]
-                torch.add(parts[0], parts[1], out=out)
-                for part in parts[2:]:
-                    out.add_(part)
-            if mine < n:
-                flat_out[start + mine : start + n].zero_()
-            start += n
-            compact += mine
-
-    # The caller's input objects themselves, not views of them: memory.track counts a
-    # tensor until that object dies.
-    refs = (flat_out, tuple(inputs), staged, tuple(sends))
-    handle = CommHandle(works, on_done=sum_in_rank_order, refs=refs, header=header)
-    return _settle(handle, async_op)
+    plans = [segments_plan(output, inputs, sizes, group) for output, inputs, sizes, _ in items]
+    checks = [check] * len(items) if isinstance(check, bool) else list(check)
+    total = sum(_nbytes(output) for output, _, _, _ in items)
+    if _batchable(items, total, (x[0] for x in items)):
+        seq = _next_seq(group)
+        idents = [exchange_id("reduce_scatter", lab or "") for _, _, _, lab in items]
+        handle = reduce_scatter_packed(items, plans, group, seq, idents, True, _header_capacity())
+        return [_settle(handle, async_op)] * len(items)
+    handles = []
+    for item, pieces, check in zip(items, plans, checks):
+        output, inputs, _, label = item
+        packed = _small(_nbytes(output)) and (len(pieces) > 1 or bool(label and check))
+        seq, ident, header = _sequence(group, "reduce_scatter", label, check, fold=packed)
+        if packed:
+            handle = reduce_scatter_packed(
+                [item], [pieces], group, seq, [ident], header, _header_capacity()
+            )
+        else:
+            handle = reduce_scatter_pairwise(output, inputs, pieces, group, seq, ident, header)
+        handles.append(_settle(handle, async_op))
+    return handles
 
 
 def all_reduce(

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:  # only for the annotation of CommHandle's constructor (not introspected)
-    from fullshard.distributed.comm import _Header
+    from fullshard.distributed.pairwise import Header
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "scatter")
 
@@ -56,12 +56,19 @@ class _Counters:
             self.calls = dict.fromkeys(KINDS, 0)
             self.bytes = dict.fromkeys(KINDS, 0)
             self.wire_bytes = dict.fromkeys(KINDS, 0)
+            self.header_messages = self.header_bytes = 0
 
     def add(self, kind: str, nbytes: int, wire: float) -> None:
         with self._lock:
             self.calls[kind] += 1
             self.bytes[kind] += nbytes
             self.wire_bytes[kind] += int(wire)
+
+    def add_headers(self, messages: int, nbytes: int) -> None:
+        """`messages` headers of `nbytes` each (sent alone or folded into data messages)."""
+        with self._lock:
+            self.header_messages += messages
+            self.header_bytes += messages * nbytes
 
 
 _COUNTERS = _Counters()
@@ -79,6 +86,13 @@ def comm_stats() -> dict[str, dict[str, int]]:
     }
 
 
+def header_stats() -> dict[str, int]:
+    """The divergence headers this process sent since the last reset (pairwise.py's note on
+    ranks that run different units): not in `comm_stats()`, which counts the collectives'
+    data; `bytes` is what they add on the wire, folded into data messages or not."""
+    return {"messages": _COUNTERS.header_messages, "bytes": _COUNTERS.header_bytes}
+
+
 def reset_comm_stats() -> None:
     """Set every collective counter back to zero."""
     _COUNTERS.reset()
@@ -94,7 +108,7 @@ class CommHandle:
         work: Any = None,
         on_done: Callable[[], None] | None = None,
         refs: tuple = (),
-        header: _Header | None = None,
+        header: Header | None = None,
     ) -> None:
         self._work = work  # a Work, or a list of them (pairwise exchanges)
         self._on_done = on_done

@@ -12,8 +12,6 @@ from __future__ import annotations
 import zlib
 from collections.abc import Sequence
 
-import torch
-
 
 class RankDivergenceError(RuntimeError):
     """Ranks issued different collectives at the same position: they ran different units."""
@@ -44,16 +42,18 @@ def tag(seq: int, ident: int, slot: int) -> int:
     return (seq * 0x9E3779B1 + ident * 0x85EBCA77 + slot * 0xC2B2AE3D) & 0x7FFFFFFF
 
 
-def divergence_message(seq: int, ranks: Sequence[int], headers: torch.Tensor) -> str:
+def divergence_message(seq: int, ranks: Sequence[int], idents: Sequence[Sequence[int]]) -> str:
     """The error for collective `seq` of the group of global `ranks`, whose members sent the
-    `(seq, ident)` rows of `headers` (in group-rank order)."""
-    by_id: dict[int, list[int]] = {}
-    for r, g in enumerate(ranks):
-        by_id.setdefault(int(headers[r, 1]), []).append(g)
+    headers with identifiers `idents` (in group-rank order; several for an exchange that
+    carries several collectives, none for a header that could not be read)."""
+    by_id: dict[tuple[int, ...], list[int]] = {}
+    for ids, g in zip(idents, ranks):
+        by_id.setdefault(tuple(ids), []).append(g)
     what = "; ".join(
         f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: "
-        f"{_LABELS.get(i, f'an exchange with id {i:#x}')}"
-        for i, rs in by_id.items()
+        + (" + ".join(_LABELS.get(i, f"an exchange with id {i:#x}") for i in ids)
+           or "something else (an unreadable header)")
+        for ids, rs in by_id.items()
     )
     return (
         f"Ranks ran different units: collective #{seq} on the process group of ranks "

@@ -130,11 +130,12 @@ def _messages_per_peer(coalesce_bytes: int) -> dict:
 
 
 def test_small_segmented_exchanges_send_one_message_per_peer(group):
-    """Below COALESCE_BYTES a bucket's pieces travel together: one data message per peer
-    (plus the divergence header), not one per piece -- the fixed cost of small units."""
+    """Below COALESCE_BYTES a bucket's pieces travel together, the divergence header folded
+    into the same message: one message per peer, not one per piece -- the fixed cost of
+    small units."""
     peers = group.world_size - 1
     for got in group.run(_messages_per_peer, 1 << 20):
-        assert got == {"gather": 2 * peers, "reduce": 2 * peers}  # header + data
+        assert got == {"gather": peers, "reduce": peers}
     for got in group.run(_messages_per_peer, 0):  # per piece (what large buckets do)
         assert got["gather"] == peers * (1 + len(SHAPES))
 

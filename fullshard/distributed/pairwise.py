@@ -1,0 +1,375 @@
+"""Gloo's all-gather and reduce-scatter as point-to-point exchanges (for comm.py).
+
+comm.py decides which algorithm runs, counts it and is the only caller of torch.distributed
+collectives; this module holds the algorithms it runs on gloo, which use only the
+point-to-point `isend` / `irecv`.
+
+[Note: gloo's all-gather and reduce-scatter]
+On gloo (CPU) we do not call the all-gather / reduce-scatter collectives: gloo implements
+reduce-scatter as an all-reduce plus a chunk (twice the traffic) and its all-gather peaks at
+~8 MB per call, so both are several times slower than the network allows (measured on this
+2-core machine at 32 MB, 2 ranks: all_gather 47 ms, reduce_scatter 61 ms, all_reduce 25 ms;
+at 100 KB: all_gather 0.54 ms against 0.25 ms for one exchange of messages).
+Instead each rank exchanges chunks directly with every peer (`isend`/`irecv`, all posted at
+once, matched by a per-group tag sequence): an all-gather sends our shard to each peer and
+receives theirs into place; a reduce-scatter sends peer j its chunk j and sums the N chunks of
+ours in rank order (so every rank's sum has the same rounding). Each rank sends exactly
+B·(N−1)/N bytes -- the ring optimum -- and the same 32 MB took ~14 ms either way. Large
+exchanges work piece by piece (`*_pairwise`): an all-gather lands each parameter's rows in
+place, and a reduce-scatter sends each peer its rows straight from every unpacked gradient (no
+packed copy, no padding on the wire: wire bytes count what is really sent). With many ranks
+this is N−1 messages per collective instead of a ring's pipeline; NCCL keeps its own
+collectives, which already are optimal. Each gloo message has a fixed cost (~0.1-0.2 ms here,
+more inside a busy step), so small exchanges (`*_packed`) send everything as one message per
+peer -- every piece of a bucket, and the buckets of several small units the engine issues
+together -- at the price of one copy of what is exchanged.
+
+[Note: ranks that run different units]
+Every exchange is matched by its position in the group's sequence, so all ranks must issue
+the engine's collectives in the same order. When they do not (LayerDrop with a per-rank RNG, an
+MoE expert skipped on one rank, a data-dependent branch), the k-th exchange of one rank meets
+the k-th of another that moves different rows: a hang, a size-mismatch crash or, when sizes
+coincide, a silent exchange of the wrong unit's data. So the engine labels each exchange
+(`label=`: the unit and bucket) and, on gloo:
+- every point-to-point tag of a data message mixes the collective's sequence number, the crc32
+  of kind + label and the piece index, so a message of one unit can never be received as
+  another's (tags that collide are harmless: gloo matches equal tags in posting order, the
+  same on every rank);
+- exchanges that open a unit's gathers or reductions (`check=True`: the engine sets it on the
+  first bucket of a unit, where any divergence begins), and every exchange that carries
+  several collectives, carry a header -- sequence number and the crc32 of kind + label of
+  each collective -- under a tag that does not depend on the label, and `wait()` checks the
+  headers before it uses any data: a mismatch raises `RankDivergenceError` on every rank
+  involved, naming each rank's units, as soon as both reach the exchange.
+A small exchange folds its header into its one message (its first bytes): no extra message.
+A large one sends the header as a message of its own. Either way the receive buffer of a
+header holds `capacity` bytes, the largest folded message: gloo accepts a shorter message
+than the buffer but aborts the process on a longer one, and a diverged peer may send either.
+Header bytes are not in `comm_stats()` (they are counted apart: `header_stats()`). What it
+cannot see: a rank that stops communicating altogether (the others then wait until the process
+group's timeout), and the NCCL path (no headers: collectives are matched by NCCL).
+Identifiers, tags and the error's wording live in divergence.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fullshard.distributed.comm_handles import _COUNTERS, CommHandle, Group, _nbytes
+from fullshard.distributed.divergence import RankDivergenceError, divergence_message
+from fullshard.distributed.divergence import tag as tag_of
+
+MAX_BATCH = 256
+"""Most collectives one exchange carries together (bounds the header's size)."""
+
+
+def header_size(n: int) -> int:
+    """Bytes of the header of an exchange of `n` collectives: int64 sequence number, n, and
+    the n identifiers (crc32 of kind + label). A multiple of 8, so the data after it is
+    aligned for every dtype."""
+    return 8 * (2 + n)
+
+
+HEADER_MAX = header_size(MAX_BATCH)
+
+
+def header_bytes(seq: int, idents: Sequence[int]) -> torch.Tensor:
+    return torch.tensor([seq, len(idents), *idents], dtype=torch.int64).view(torch.uint8)
+
+
+class Header:
+    """The header of one labelled exchange (`idents`: one per collective it carries), from
+    every peer: sent on its own (`rows=None`: posted here, received into rows of `capacity`
+    bytes) or folded into the first bytes of the exchange's data messages (`rows`: the
+    received rows, `works`: their sends and receives). `check()` waits and compares."""
+
+    __slots__ = ("group", "seq", "idents", "rows", "works")
+
+    def __init__(
+        self,
+        group: Group,
+        seq: int,
+        idents: Sequence[int],
+        *,
+        capacity: int = HEADER_MAX,
+        rows: torch.Tensor | None = None,
+        works: list[Any] | None = None,
+    ) -> None:
+        self.group, self.seq, self.idents = group, seq, tuple(idents)
+        if rows is None:
+            rows = torch.empty(group.size - 1, capacity, dtype=torch.uint8)
+            mine, tag = header_bytes(seq, idents), tag_of(seq, 0, 0)
+            size, rank = group.size, group.rank
+            works = []
+            for step in range(1, size):
+                dst, src = (rank + step) % size, (rank - step) % size
+                works.append(dist.isend(mine, group.ranks[dst], group=group.pg, tag=tag))
+                works.append(
+                    dist.irecv(rows[src - (src > rank)], group.ranks[src], group=group.pg, tag=tag)
+                )
+            _COUNTERS.add_headers(size - 1, mine.numel())
+        self.rows, self.works = rows, works or []
+
+    def check(self) -> None:
+        for w in self.works:
+            w.wait()
+        mine = header_bytes(self.seq, self.idents)
+        if bool((self.rows[:, : mine.numel()] == mine).all()):
+            return
+        rank = self.group.rank
+        theirs = [_parse(row) for row in self.rows]
+        every = theirs[:rank] + [self.idents] + theirs[rank:]  # in group-rank order
+        raise RankDivergenceError(divergence_message(self.seq, self.group.ranks, every))
+
+
+def _parse(row: torch.Tensor) -> tuple[int, ...]:
+    """The identifiers in a peer's header (none if it is not one we can read)."""
+    n = int(row[:16].view(torch.int64)[1])
+    if not 0 < n <= MAX_BATCH or header_size(n) > row.numel():
+        return ()
+    return tuple(row[16 : header_size(n)].view(torch.int64).tolist())
+
+
+def all_gather_pairwise(
+    output: torch.Tensor,
+    flat_in: torch.Tensor,
+    pieces: list[int],
+    group: Group,
+    seq: int,
+    ident: int,
+    header: Any,
+) -> CommHandle:
+    """A large all-gather: each piece sent to and received from every peer in place."""
+    size, rank = group.size, group.rank
+    flat_out = output.view(-1)
+    works, start = [], 0
+    for j, piece in enumerate(pieces):
+        mine = flat_in[start : start + piece]
+        slots = flat_out[size * start : size * (start + piece)].view(size, piece)
+        slots[rank].copy_(mine)
+        tag = tag_of(seq, ident, j + 1)
+        for step in range(1, size):
+            dst, src = (rank + step) % size, (rank - step) % size
+            works.append(dist.isend(mine, group.ranks[dst], group=group.pg, tag=tag))
+            works.append(dist.irecv(slots[src], group.ranks[src], group=group.pg, tag=tag))
+        start += piece
+    return CommHandle(works, refs=(output, flat_in), header=header)
+
+
+def all_gather_packed(
+    items: Sequence[tuple[torch.Tensor, torch.Tensor, Sequence[int] | None, str | None]],
+    group: Group,
+    seq: int,
+    idents: Sequence[int],
+    fold: bool,
+    capacity: int,
+) -> CommHandle:
+    """Small all-gathers in one message per peer (comm's `_small`): our inputs, one after the
+    other (after the header if `fold`), go to each peer; each peer's message lands in
+    a staging row and is split into its place in every segment of every output once it is
+    complete (`wait()`). Same outputs, same data bytes on the wire."""
+    size, rank = group.size, group.rank
+    ins = [input.reshape(-1) for _, input, _, _ in items]
+    plans = []  # (flat input, piece sizes, each piece's output region viewed (size, piece))
+    for (output, _, segments, _), flat_in in zip(items, ins):
+        pieces = list(segments) if segments is not None else [flat_in.numel()]
+        flat_out, regions, start = output.view(-1), [], 0
+        for piece in pieces:  # row r of a region: rank r's piece
+            regions.append(flat_out[size * start : size * (start + piece)].view(size, piece))
+            start += piece
+        torch.split_with_sizes_copy(flat_in, pieces, out=[reg[rank] for reg in regions])
+        plans.append((flat_in, pieces, regions))
+    dtype, nbytes = ins[0].dtype, sum(_nbytes(x) for x in ins)
+    head = header_size(len(idents)) if fold else 0
+    if head or len(ins) > 1:
+        send = torch.empty(head + nbytes, dtype=torch.uint8, device=ins[0].device)
+        if fold:
+            send[:head].copy_(header_bytes(seq, idents))
+        torch.cat(ins, out=send[head:].view(dtype))
+    else:
+        send = ins[0]
+    row = capacity if fold else nbytes
+    staged = torch.empty((size - 1, row), dtype=torch.uint8, device=send.device)
+    tag = tag_of(seq, 0, 0) if fold else tag_of(seq, idents[0], 1)
+    works = []
+    for step in range(1, size):
+        dst, src = (rank + step) % size, (rank - step) % size
+        works.append(dist.isend(send, group.ranks[dst], group=group.pg, tag=tag))
+        works.append(
+            dist.irecv(staged[src - (src > rank)], group.ranks[src], group=group.pg, tag=tag)
+        )
+    if fold:
+        _COUNTERS.add_headers(size - 1, head)
+    header = Header(group, seq, idents, rows=staged, works=works) if fold else None
+
+    def place() -> None:
+        for r in range(size):
+            if r == rank:
+                continue
+            data = staged[r - (r > rank), head : head + nbytes].view(dtype)
+            start = 0
+            for flat_in, pieces, regions in plans:
+                n = flat_in.numel()
+                torch.split_with_sizes_copy(
+                    data[start : start + n], pieces, out=[reg[r] for reg in regions]
+                )
+                start += n
+
+    # The caller's objects themselves, not views: memory.track counts a tensor until the
+    # object dies, and the bucket relies on the handle to keep a cast input alive.
+    refs = (tuple(x[0] for x in items), tuple(x[1] for x in items), staged, send)
+    # A folded header waits for the messages itself (a gloo Work must be waited once).
+    return CommHandle([] if fold else works, on_done=place, refs=refs, header=header)
+
+
+def segments_plan(
+    output: torch.Tensor, inputs: Sequence[torch.Tensor], sizes: Sequence[int], group: Group
+) -> list[tuple[torch.Tensor, int, list[int]]]:
+    """(flat input, segment size, real elements of every rank's chunk) per segment."""
+    pieces, offset = [], 0
+    for x, n in zip(inputs, sizes):
+        x = x.view(-1)
+        pieces.append((x, n, [max(0, min(n, x.numel() - r * n)) for r in range(group.size)]))
+        offset += n
+    if offset != output.numel():
+        raise ValueError(f"segment sizes add up to {offset}, output has {output.numel()}")
+    return pieces
+
+
+def reduce_scatter_pairwise(
+    output: torch.Tensor,
+    inputs: Sequence[torch.Tensor],
+    pieces: list[tuple[torch.Tensor, int, list[int]]],
+    group: Group,
+    seq: int,
+    ident: int,
+    header: Any,
+) -> CommHandle:
+    """A large reduce-scatter: every chunk sent straight from its input, piece by piece."""
+    size, rank = group.size, group.rank
+    flat_out = output.view(-1)
+    direct = size == 2
+    # Received chunks of the peers in rank order (row r - (r > rank)); none on two ranks.
+    received = None if direct else output.new_empty((size - 1, output.numel()))
+    works, wire, offset, plan = [], 0, 0, []
+    for j, (x, n, real) in enumerate(pieces):
+        mine = real[rank]
+        tag = tag_of(seq, ident, j + 1)
+        for step in range(1, size):
+            dst, src = (rank + step) % size, (rank - step) % size
+            if real[dst] > 0:
+                chunk = x[dst * n : dst * n + real[dst]]
+                works.append(dist.isend(chunk, group.ranks[dst], group=group.pg, tag=tag))
+                wire += _nbytes(chunk)
+            if mine > 0:
+                into = flat_out if received is None else received[src - (src > rank)]
+                into = into[offset : offset + mine]
+                works.append(dist.irecv(into, group.ranks[src], group=group.pg, tag=tag))
+        plan.append((x[rank * n : rank * n + mine], offset, mine, n))
+        offset += n
+    _COUNTERS.add("reduce_scatter", size * _nbytes(output), wire)
+
+    def sum_in_rank_order() -> None:
+        for own, start, mine, n in plan:
+            out = flat_out[start : start + mine]
+            if received is None:
+                out.add_(own)
+            elif mine > 0:
+                parts = [
+                    own if r == rank else received[r - (r > rank), start : start + mine]
+                    for r in range(size)
+                ]
+                torch.add(parts[0], parts[1], out=out)
+                for part in parts[2:]:
+                    out.add_(part)
+            flat_out[start + mine : start + n].zero_()
+
+    return CommHandle(
+        works, on_done=sum_in_rank_order, refs=(output, tuple(inputs), received), header=header
+    )
+
+
+def reduce_scatter_packed(
+    items: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor], Sequence[int], str | None]],
+    plans: list[list[tuple[torch.Tensor, int, list[int]]]],
+    group: Group,
+    seq: int,
+    idents: Sequence[int],
+    fold: bool,
+    capacity: int,
+) -> CommHandle:
+    """Small reduce-scatters in one message per peer (comm's `_small`): peer j's real elements
+    of every piece of every item, concatenated after the header if `fold` (one copy of what
+    is sent), received into a staging row per peer and summed from there into the segments,
+    in rank order as always (on two ranks: peer + own, the same operands and order as the
+    per-piece path)."""
+    size, rank = group.size, group.rank
+    pieces = [piece for plan in plans for piece in plan]
+    dtype = items[0][0].dtype
+    esize = items[0][0].element_size()
+    counts = [sum(real[r] for _, _, real in pieces) for r in range(size)]
+    head = header_size(len(idents)) if fold else 0
+    row = capacity if fold else counts[rank] * esize
+    staged = torch.empty((size - 1, row), dtype=torch.uint8, device=items[0][0].device)
+    tag = tag_of(seq, 0, 0) if fold else tag_of(seq, idents[0], 1)
+    works, sends = [], []
+    for step in range(1, size):
+        dst, src = (rank + step) % size, (rank - step) % size
+        if counts[dst] > 0 or fold:
+            chunks = [x[dst * n : dst * n + real[dst]] for x, n, real in pieces if real[dst]]
+            if not fold and len(chunks) == 1:
+                send = chunks[0]
+            else:
+                send = torch.empty(
+                    head + counts[dst] * esize, dtype=torch.uint8, device=staged.device
+                )
+                if fold:
+                    send[:head].copy_(header_bytes(seq, idents))
+                if chunks:
+                    torch.cat(chunks, out=send[head:].view(dtype))
+            sends.append(send)
+            works.append(dist.isend(send, group.ranks[dst], group=group.pg, tag=tag))
+        if counts[rank] > 0 or fold:
+            works.append(
+                dist.irecv(staged[src - (src > rank)], group.ranks[src], group=group.pg, tag=tag)
+            )
+    for (output, _, _, _), plan in zip(items, plans):  # each item: its peers' real elements
+        wire = sum(real[r] for _, _, real in plan for r in range(size) if r != rank)
+        _COUNTERS.add("reduce_scatter", size * _nbytes(output), wire * esize)
+    if fold:
+        _COUNTERS.add_headers(size - 1, head)
+    header = Header(group, seq, idents, rows=staged, works=works) if fold else None
+    outs = [output.view(-1) for output, _, _, _ in items]
+    mine_bytes = counts[rank] * esize
+
+    def sum_in_rank_order() -> None:
+        peers = [staged[i, head : head + mine_bytes].view(dtype) for i in range(size - 1)]
+        compact = 0
+        for flat_out, plan in zip(outs, plans):
+            start = 0
+            for x, n, real in plan:
+                mine = real[rank]
+                if mine > 0:
+                    out = flat_out[start : start + mine]
+                    parts = [
+                        x[rank * n : rank * n + mine]
+                        if r == rank
+                        else peers[r - (r > rank)][compact : compact + mine]
+                        for r in range(size)
+                    ]
+                    torch.add(parts[0], parts[1], out=out)
+                    for part in parts[2:]:
+                        out.add_(part)
+                if mine < n:
+                    flat_out[start + mine : start + n].zero_()
+                start += n
+                compact += mine
+
+    # The caller's input objects themselves, not views of them: memory.track counts a
+    # tensor until that object dies.
+    refs = (tuple(x[0] for x in items), tuple(tuple(x[1]) for x in items), staged, tuple(sends))
+    return CommHandle([] if fold else works, on_done=sum_in_rank_order, refs=refs, header=header)
