@@ -171,16 +171,29 @@ class Bucket:
             self.unsharded is not None or self._gather_handle is not None
         ) and self._gathered_version != self.shard_flat._version
 
+    @property
+    def in_flight(self) -> bool:
+        """Gathered, or its gather issued."""
+        return self.unsharded is not None or self._gather_handle is not None
+
+    @property
+    def gather_nbytes(self) -> int:
+        """Bytes this rank sends per peer to gather the bucket (its shards, compute dtype)."""
+        return self.numel * self.compute_dtype.itemsize
+
     def start_gather(self, *, async_op: bool) -> None:
-        if self.unsharded is not None or self._gather_handle is not None:
-            return
+        start_gathers([self], async_op=async_op)
+
+    def _prepare_gather(self) -> tuple | None:
+        """Allocate the gather output; the request `comm.all_gather_batch` takes, or None
+        when there is nothing to exchange (shard-axis size 1: the shards are the data)."""
         self._gathered_version = self.shard_flat._version
         send = self._gather_input()
         if send is not self.shard_flat:
             track(send, "param")
         if self.shard_size == 1:
             self.unsharded = send
-            return
+            return None
         n = self.numel * self.shard_size
         out = track(torch.empty(n, dtype=self.compute_dtype, device=self.device), "param")
         self._gather_out = out  # the handle keeps `send` alive until the gather completes
@@ -189,10 +202,7 @@ class Bucket:
         if len(self.params) > 1 and comm.gathers_segments(self.mesh.shard):
             segments = self.piece_sizes
         self._segmented = segments is not None
-        self._gather_handle = comm.all_gather(
-            out, send, self.mesh.shard, async_op=async_op, segments=segments, label=self.label,
-            check=self.check_gather,
-        )
+        return (out, send, segments, self.label)
 
     def finish_gather(self) -> torch.Tensor:
         if self.unsharded is not None:
@@ -301,19 +311,28 @@ class Bucket:
         self._grad_marks = []
 
     def start_reduce(
-        self, grads: Sequence[torch.Tensor], *, unused: Sequence[bool], write: Sequence[bool]
+        self,
+        grads: Sequence[torch.Tensor],
+        *,
+        unused: Sequence[bool],
+        write: Sequence[bool],
+        defer: bool = False,
     ) -> PendingReduction:
         """Issue the reduction of these unsharded gradients (plus any no_sync accumulation).
 
         `unused[i]`: this rank's backward gave parameter i no gradient (its entry in `grads`
-        is `unused_grad`); `write[i]`: parameter i requires grad now, so its `.grad` is set."""
+        is `unused_grad`); `write[i]`: parameter i requires grad now, so its `.grad` is set.
+        `defer`: where the gradients go unpacked (gloo), leave the shard-axis reduction to
+        `issue_reductions` (`.request` is then set), which sends small ones together."""
         if self.accumulated_grad is not None and self.accumulation_abandoned():
             self.drop_accumulated_grad()
         # With a no_sync accumulation, `unused` (this micro-batch) only selects which
         # parameters get the all -0 check: an earlier micro-batch's use makes it fail.
         self._clear_placeholders()
         if self.accumulated_grad is None and comm.gathers_segments(self.mesh.shard):
-            return PendingReduction(self, unused, write, unpacked=self._flat_grads(grads))
+            return PendingReduction(
+                self, unused, write, unpacked=self._flat_grads(grads), defer=defer
+            )
         packed = self._rank_major_grads(grads)
         if self.accumulated_grad is not None:
             packed.add_(self.accumulated_grad)
@@ -342,6 +361,35 @@ class Bucket:
         return flat[start:stop].view(shape)
 
 
+def start_gathers(buckets: Sequence[Bucket], *, async_op: bool) -> None:
+    """Issue the gathers of those `buckets` not gathered or in flight, in order, together:
+    comm sends small ones (several small units' buckets) as one exchange with one handle.
+    All buckets share one shard group."""
+    todo = [b for b in dict.fromkeys(buckets) if not b.in_flight]  # a unit may come twice
+    requests = [(b, req) for b in todo if (req := b._prepare_gather()) is not None]
+    if not requests:
+        return
+    handles = comm.all_gather_batch(
+        [req for _, req in requests], requests[0][0].mesh.shard, async_op=async_op,
+        check=[b.check_gather for b, _ in requests],
+    )
+    for (b, _), handle in zip(requests, handles):
+        b._gather_handle = handle
+
+
+def issue_reductions(pendings: Sequence[PendingReduction]) -> None:
+    """Issue the shard-axis reductions of deferred `pendings` (`Bucket.start_reduce(defer=
+    True)`) together: comm sends small ones as one exchange with one handle."""
+    if not pendings:
+        return
+    handles = comm.reduce_scatter_batch(
+        [p.request for p in pendings], pendings[0].bucket.mesh.shard, async_op=True,
+        check=[p.bucket.check_reduce for p in pendings],
+    )
+    for p, handle in zip(pendings, handles):
+        p.request, p._handle = None, handle
+
+
 class PendingReduction:
     """One bucket's gradient reduction in flight: reduce-scatter on the shard axis, then
     all-reduce on the replicate axis, then average and hand to `.grad`.
@@ -363,8 +411,10 @@ class PendingReduction:
         *,
         packed: torch.Tensor | None = None,
         unpacked: list[torch.Tensor] | None = None,
+        defer: bool = False,
     ) -> None:
         self.bucket = bucket
+        self.request: tuple | None = None  # deferred: what `issue_reductions` sends
         self.unused = unused
         self.write = write
         mesh = bucket.mesh
@@ -393,14 +443,19 @@ class PendingReduction:
                 )
             else:
                 assert unpacked is not None
-                self._handle = comm.reduce_scatter_segments(
-                    self.output, unpacked, bucket.piece_sizes, mesh.shard, async_op=True,
-                    label=bucket.label, check=bucket.check_reduce,
-                )
+                self.request = (self.output, unpacked, bucket.piece_sizes, bucket.label)
+                if not defer:
+                    issue_reductions([self])
             self._replicate_pending = mesh.replicate.size > 1
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this rank's reduced shard (what a deferred reduction adds to a batch)."""
+        return self.output.numel() * self.output.element_size()
 
     def advance(self) -> bool:
         """Wait for the current stage; start the next. True once the result is final."""
+        assert self.request is None, "a deferred reduction was never issued"
         self._handle.wait()  # the handle held the reduce input until now
         if self._replicate_pending:
             self._replicate_pending = False
@@ -416,8 +471,9 @@ class PendingReduction:
 
     def discard(self) -> None:
         """Wait for the stage in flight (every rank issued it) and drop the result: the
-        reduction of a backward that raised."""
-        self._handle.wait()
+        reduction of a backward that raised. One never issued (deferred) is just dropped."""
+        if self.request is None:
+            self._handle.wait()
 
     def finish(self, *, to_grad: bool = True) -> list[torch.Tensor | None]:
         """Wait until done and average over the data-parallel ranks. Returns each parameter's

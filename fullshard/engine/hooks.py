@@ -62,8 +62,9 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fullshard.config import ShardingPlan
+from fullshard.distributed import comm
 from fullshard.distributed.mesh import ShardMesh
-from fullshard.engine.bucket import Bucket, PendingReduction
+from fullshard.engine.bucket import Bucket, PendingReduction, issue_reductions
 from fullshard.engine.precision import cast_floating
 from fullshard.engine.unit import BackwardDone, Unit, UnitState
 
@@ -116,7 +117,11 @@ class Runtime:
         self.backward_order_prev: list[Unit] = []
         self._backward_plan: dict[Unit, int] = {}
         self._backward_plan_list: list[Unit] = []
-        self.pending: collections.deque[tuple[Unit, PendingReduction]] = collections.deque()
+        # Reductions in flight, one entry per issue (a unit's buckets, or a batch of small
+        # units' buckets sent together), oldest first; and the deferred ones of small units
+        # not issued yet (see `_queue_reductions`).
+        self.pending: collections.deque[list[PendingReduction]] = collections.deque()
+        self._reduce_batch: list[PendingReduction] = []
         # Autograd task whose end-of-backward callback is queued and has not run yet; a
         # value that outlives its task marks a backward that raised (see the Note above).
         self.callback_task: int | None = None
@@ -161,11 +166,12 @@ class Runtime:
         if unit is self.root and not recomputing:
             self._begin_forward()
         self._drop_stale(unit)
-        if not unit.is_gathered:
+        if recomputing:
             unit.start_gather(async_op=True)
-        if not recomputing:
+        else:
             self.forward_order.append(unit)
-            self._prefetch_forward(len(self.forward_order) - 1, unit)
+            pos = len(self.forward_order) - 1
+            self._gather_ahead(unit, self.forward_order_prev, pos, self.prefetch_limit)
         self._wait(unit)
         with_grad = torch.is_grad_enabled()
         unit.install(self, with_grad=with_grad, pass_id=self.pass_id)
@@ -277,14 +283,36 @@ class Runtime:
             return False  # no_sync keeps units gathered until the synced backward
         return self.plan.reshard_after_forward
 
-    def _prefetch_forward(self, pos: int, unit: Unit) -> None:
-        prev = self.forward_order_prev
-        if self.prefetch_limit <= 0 or pos >= len(prev) or prev[pos] is not unit:
+    def _gather_ahead(self, unit: Unit, order: list[Unit], pos: int, limit: int) -> None:
+        """Have `unit` gathered or in flight, and prefetch what follows it in `order` (the
+        order recorded on the last pass, `unit` expected at `pos`).
+
+        Ahead means the next `limit` units and, where small units' exchanges can be sent
+        together (gloo), as many more as keep the bytes in flight within `comm.COALESCE_BYTES`
+        per rank: they are issued in one exchange with `unit` if it needs one. The window is
+        refilled only when one of the next `limit` units is not in flight, so a run of small
+        units costs one exchange per ~COALESCE_BYTES, not one per unit. Memory: the units in
+        flight ahead are `limit` units or COALESCE_BYTES per rank gathered, whichever is more.
+        """
+        window: list[Unit] = []
+        if limit > 0 and pos < len(order) and order[pos] is unit:
+            budget, nbytes = self._batch_bytes(), unit.gather_nbytes
+            for nxt in order[pos + 1 :]:
+                if nxt is unit or nxt in window:
+                    continue  # a unit called several times per pass
+                if len(window) >= limit and nbytes + nxt.gather_nbytes > budget:
+                    break
+                window.append(nxt)
+                nbytes += nxt.gather_nbytes
+        if unit.in_flight and all(u.in_flight for u in window[:limit]):
             return
-        for nxt in prev[pos + 1 : pos + 1 + self.prefetch_limit]:
-            self._drop_stale(nxt)
-            if not nxt.is_gathered:
-                nxt.start_gather(async_op=True)
+        for u in window:
+            self._drop_stale(u)
+        unit.start_gather_with(window, async_op=True)
+
+    def _batch_bytes(self) -> int:
+        """Bytes per rank up to which small units' exchanges go together (0: never)."""
+        return comm.COALESCE_BYTES if comm.gathers_segments(self.mesh.shard) else 0
 
     # -- ZeRO-3 saved tensors ---------------------------------------------------------------
     # Under torch.compile the hooks run eagerly: dynamo cannot trace storage pointers and
@@ -310,22 +338,13 @@ class Runtime:
         unit = saved.unit
         if not unit.is_gathered:
             self._ensure_backward_callback()
-            unit.start_gather(async_op=True)
             self.backward_order.append(unit)
-            self._prefetch_backward(unit)
+            pos = self._backward_plan.get(unit, len(self._backward_plan_list))
+            self._gather_ahead(unit, self._backward_plan_list, pos, self.backward_prefetch_limit)
             self._wait(unit)
         buf = saved.bucket.unsharded
         assert buf is not None
         return buf.as_strided(saved.size, saved.stride, saved.offset)
-
-    def _prefetch_backward(self, unit: Unit) -> None:
-        i = self._backward_plan.get(unit)
-        limit = self.backward_prefetch_limit
-        if limit <= 0 or i is None:
-            return
-        for nxt in self._backward_plan_list[i + 1 : i + 1 + limit]:
-            if not nxt.is_gathered:
-                nxt.start_gather(async_op=True)
 
     # -- backward ---------------------------------------------------------------------------
     def _ensure_backward_callback(self) -> None:
@@ -385,6 +404,7 @@ class Runtime:
             return None
         all_grads = unit.take_grads(grads)
         result: list[torch.Tensor | None] = []
+        issued: list[PendingReduction] = []
         start = 0
         for bucket, mask in routing:
             chunk, unused = [], []
@@ -396,17 +416,45 @@ class Runtime:
             if not self.sync_gradients:
                 bucket.accumulate_grads(chunk)
                 continue
-            pending = bucket.start_reduce(chunk, unused=unused, write=mask)
+            pending = bucket.start_reduce(chunk, unused=unused, write=mask, defer=not returns)
             if returns:
                 reduced = pending.finish(to_grad=False)
                 result += [g for g, routed in zip(reduced, mask) if routed]
                 continue
-            self.pending.append((unit, pending))
-            while len({u for u, _ in self.pending}) > self.max_pending_reductions:
-                self.pending.popleft()[1].finish()
+            issued.append(pending)
+        if issued:
+            self._queue_reductions(issued)
         if self.sync_gradients:
             self._release(unit)
         return result if returns else None
+
+    def _queue_reductions(self, unit_pendings: list[PendingReduction]) -> None:
+        """Send one unit's reductions, or hold small ones to go with the next units'.
+
+        A unit's deferred reductions join a batch that is issued (one exchange) once it holds
+        about `COALESCE_BYTES` per rank: when another unit of the same size would not fit,
+        and at the end of backward. The reductions of at most `max_pending_reductions` issues
+        stay in flight; older ones are finished while earlier units compute."""
+        issued = [p for p in unit_pendings if p.request is None]  # packed: sent already
+        if issued:
+            self._track_pending(issued)
+        batch = self._reduce_batch
+        batch += [p for p in unit_pendings if p.request is not None]
+        size = sum(p.nbytes for p in batch)
+        if batch and size + sum(p.nbytes for p in unit_pendings) > self._batch_bytes():
+            self._flush_reductions()
+
+    def _flush_reductions(self) -> None:
+        batch, self._reduce_batch = self._reduce_batch, []
+        if batch:
+            issue_reductions(batch)
+            self._track_pending(batch)
+
+    def _track_pending(self, pendings: list[PendingReduction]) -> None:
+        self.pending.append(pendings)
+        while len(self.pending) > self.max_pending_reductions:
+            for p in self.pending.popleft():
+                p.finish()
 
     def frozen_backward_done(self, unit: Unit) -> None:
         """`BackwardDone.backward`: gradients have flowed through a unit with nothing
@@ -425,8 +473,8 @@ class Runtime:
     def _finalize_backward(self, task: int) -> None:
         try:
             self._flush_partial()
-            while self.pending:
-                self.pending.popleft()[1].finish()
+            self._flush_reductions()
+            self._finish_pending()
             if self.sync_gradients:
                 for u in self.units:
                     self._release(u)
@@ -436,13 +484,20 @@ class Runtime:
             if self.callback_task == task:
                 self.callback_task = None
 
+    def _finish_pending(self) -> None:
+        while self.pending:
+            for p in self.pending.popleft():
+                p.finish()
+
     # -- between steps ----------------------------------------------------------------------
     def _discard_step(self, *, release: bool = True) -> None:
         """Forget a backward that raised: drop (after waiting for) its pending reductions,
         partial and no_sync gradients and, with `release`, every gathered unit."""
         self.callback_task = None
+        self._reduce_batch = []  # issued by no rank
         while self.pending:
-            self.pending.popleft()[1].discard()
+            for p in self.pending.popleft():
+                p.discard()
         self._drop_gradients(release=release)
 
     def _drop_gradients(self, *, release: bool = True) -> None:
@@ -475,8 +530,8 @@ class Runtime:
         """Drop every unsharded buffer and any no_sync accumulation (e.g. before a load)."""
         if self.callback_task is not None and not _in_backward():
             self._discard_step()
-        while self.pending:
-            self.pending.popleft()[1].finish()
+        self._flush_reductions()
+        self._finish_pending()
         for u in self.units:
             self._release(u)
             u.partial_grads = None

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from fullshard.engine.bucket import Bucket
+from fullshard.engine.bucket import Bucket, start_gathers
 from fullshard.engine.sharded_param import ShardedParam
 
 if TYPE_CHECKING:
@@ -135,9 +135,24 @@ class Unit:
     def is_gathered(self) -> bool:
         return all(b.is_gathered for b in self.buckets)
 
+    @property
+    def in_flight(self) -> bool:
+        """Gathered, or its gather issued (True for a unit without parameters)."""
+        return all(b.in_flight for b in self.buckets)
+
+    @property
+    def gather_nbytes(self) -> int:
+        """Bytes this rank sends per peer to gather the unit."""
+        return sum(b.gather_nbytes for b in self.buckets)
+
     def start_gather(self, *, async_op: bool) -> None:
-        for b in self.buckets:
-            b.start_gather(async_op=async_op)
+        start_gathers(self.buckets, async_op=async_op)
+
+    def start_gather_with(self, others: Sequence[Unit], *, async_op: bool) -> None:
+        """Start this unit's gather and those of `others` (prefetches) together: small ones
+        go as one exchange (bucket.start_gathers)."""
+        buckets = self.buckets + [b for u in others for b in u.buckets]
+        start_gathers(buckets, async_op=async_op)
 
     def wait_gathered(self) -> None:
         for b in self.buckets:

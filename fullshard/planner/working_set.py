@@ -20,14 +20,17 @@ and `c` / `r` the compute / reduce dtype sizes:
 The replay follows `engine/hooks.py` for one step, in the unit order root, blocks...:
 
 forward   pre-hook of each unit: start its gather, prefetch the next `prefetch_limit` units
-          (the order recorded on the previous step; none on the first step), wait. Post-hook:
+          (the order recorded on the previous step; none on the first step) -- on gloo more
+          while the bytes in flight stay within `comm.COALESCE_BYTES` per rank, refilled only
+          when one of the next `prefetch_limit` is not in flight -- and wait. Post-hook:
           ZeRO-3 releases the unit, ZeRO-2 keeps it. The root's post-hook runs last.
 backward  ZeRO-3 (with S > 1): the root is gathered again first (the LM head is the last op of
           forward), then each block in reverse, each gather prefetching the next
-          `prefetch_limit` in the recorded backward order. When a unit's gradients are
-          complete its buckets are packed and their reductions issued; those of at most
-          `max_pending_reductions` units stay in flight, so the unit being packed can be
-          the (max_pending_reductions + 1)-th; then the unit is released. The root's gradients
+          `prefetch_limit` in the recorded backward order (the same window). When a unit's
+          gradients are complete its buckets are packed and their reductions issued -- on
+          gloo held back until the batch would pass `COALESCE_BYTES` -- those of at most
+          `max_pending_reductions` issues stay in flight, so the one being packed can be the
+          (max_pending_reductions + 1)-th; then the unit is released. The root's gradients
           complete last (its embedding is the first op of forward). ZeRO-2 and S == 1 (where
           autograd itself keeps whatever it saved) gather nothing in backward and release
           each unit after reducing it.
@@ -61,6 +64,10 @@ class BucketCost:
     send: int
     copy_out: int
     reduce: int
+    exchanged: int = 0
+    """Bytes this rank sends per peer to gather the bucket (gloo batches by these)."""
+    reduced: int = 0
+    """Bytes of this rank's reduced shard (gloo batches reductions by these)."""
 
 
 @dataclass(frozen=True)
@@ -91,7 +98,9 @@ def unit_costs(
             # NCCL packs the gradients (padding included); gloo holds them as they are.
             held = b.numel if backend == "gloo" else s * flat
             reduce_bytes = held * _size(reduce) if b.requires_grad else 0
-            costs.append(BucketCost(gathered, cast, copy_out, reduce_bytes))
+            costs.append(BucketCost(gathered, cast, copy_out, reduce_bytes,
+                                    exchanged=flat * _size(compute),
+                                    reduced=flat * _size(reduce) if b.requires_grad else 0))
         units.append(UnitCost(tuple(costs), unit.trainable))
     return units
 
@@ -116,44 +125,63 @@ def working_set_bytes(
     shard_size: int,
     prefetch_limit: int,
     max_pending_reductions: int = 2,
+    batch_bytes: int = 0,
 ) -> int:
-    """Peak transient bytes over a step (the larger of the first step and a later one)."""
+    """Peak transient bytes over a step (the larger of the first step and a later one).
+    `batch_bytes`: gloo's `comm.COALESCE_BYTES` (small units' exchanges go together), 0 for
+    NCCL or S == 1."""
     return max(
         _Replay(units, reshard_after_forward and shard_size > 1, prefetch_limit,
-                max_pending_reductions, warm=warm).run()
+                max_pending_reductions, warm=warm,
+                batch_bytes=batch_bytes if shard_size > 1 else 0).run()
         for warm in (False, True)
     )
 
 
 class _Replay:
     def __init__(self, units: Sequence[UnitCost], zero3: bool, prefetch_limit: int,
-                 max_pending: int, *, warm: bool) -> None:
+                 max_pending: int, *, warm: bool, batch_bytes: int) -> None:
         self.units = units
+        self.batch_bytes = batch_bytes
+        self.batch: list[int] = []  # deferred reductions' held bytes (engine: _reduce_batch)
+        self.batch_out = 0
         self.zero3 = zero3
         self.prefetch = prefetch_limit
         self.max_pending = max_pending
         self.warm = warm
         self.live = self.peak = 0
         self.state = ["sharded"] * len(units)
-        self.pending: collections.deque[tuple[int, int]] = collections.deque()
+        self.sending = [False] * len(units)
+        self.exchange: list[list[int]] = [[] for _ in units]
+        self.pending: collections.deque[list[int]] = collections.deque()  # per issue
 
     def _add(self, nbytes: int) -> None:
         self.live += nbytes
         self.peak = max(self.peak, self.live)
 
     # -- the engine's bucket operations ----------------------------------------------------------
-    def start(self, i: int) -> None:
+    def start(self, i: int, exchange: list[int] | None = None) -> None:
+        """Issue unit i's gather; `exchange`: the units whose gathers travel with it."""
         if self.state[i] != "sharded":
             return
         for b in self.units[i].buckets:
             self._add(b.send + b.gathered)
         self.state[i] = "gathering"
+        self.sending[i] = True
+        self.exchange[i] = exchange or [i]
+
+    def _sent(self, i: int) -> None:
+        """The exchange carrying unit i completed: its cast inputs are dropped."""
+        if self.sending[i]:
+            self.live -= sum(b.send for b in self.units[i].buckets)
+            self.sending[i] = False
 
     def wait(self, i: int) -> None:
         self.start(i)
         if self.state[i] == "gathering":
+            for j in self.exchange[i]:  # waiting for one waits for the whole exchange
+                self._sent(j)
             for b in self.units[i].buckets:
-                self.live -= b.send
                 self._add(b.copy_out)
                 self.live -= b.copy_out
             self.state[i] = "gathered"
@@ -161,27 +189,61 @@ class _Replay:
     def release(self, i: int) -> None:
         if self.state[i] == "sharded":
             return
+        self._sent(i)
         for b in self.units[i].buckets:
-            self.live -= b.gathered + (b.send if self.state[i] == "gathering" else 0)
+            self.live -= b.gathered
         self.state[i] = "sharded"
 
     def reduce(self, i: int) -> None:
-        for b in self.units[i].buckets:
-            if b.reduce:
-                self._add(b.reduce)
-                self.pending.append((i, b.reduce))
-        while len({unit for unit, _ in self.pending}) > self.max_pending:
-            self.live -= self.pending.popleft()[1]
+        """hooks.Runtime._queue_reductions: into the batch, issued when another unit of this
+        size would not fit; `max_pending` issues in flight."""
+        held = [b.reduce for b in self.units[i].buckets if b.reduce]
+        out = sum(b.reduced for b in self.units[i].buckets if b.reduce)
+        for nbytes in held:
+            self._add(nbytes)
+        self.batch += held
+        self.batch_out += out
+        if self.batch and self.batch_out + out > self.batch_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.batch:
+            self.pending.append(self.batch)
+            self.batch, self.batch_out = [], 0
+        while len(self.pending) > self.max_pending:
+            self.live -= sum(self.pending.popleft())
+
+    def gather_ahead(self, i: int, order: list[int], limit: int) -> None:
+        """hooks.Runtime._gather_ahead: unit i plus the next `limit` units of `order` and, with
+        batching, more while the bytes in flight stay within `batch_bytes`; refilled only
+        when one of the next `limit` is not in flight."""
+        window: list[int] = []
+        if limit > 0 and i in order:
+            nbytes = self._exchanged(i)
+            for j in order[order.index(i) + 1 :]:
+                if j == i or j in window:
+                    continue
+                if len(window) >= limit and nbytes + self._exchanged(j) > self.batch_bytes:
+                    break
+                window.append(j)
+                nbytes += self._exchanged(j)
+        if self.state[i] != "sharded" and all(self.state[j] != "sharded" for j in window[:limit]):
+            return
+        todo = [j for j in [i, *window] if self.state[j] == "sharded"]
+        buckets = sum(len(self.units[j].buckets) for j in todo)
+        together = buckets > 1 and sum(self._exchanged(j) for j in todo) <= self.batch_bytes
+        for j in todo:  # comm.all_gather_batch sends small ones as one exchange
+            self.start(j, todo if together else None)
+
+    def _exchanged(self, i: int) -> int:
+        return sum(b.exchanged for b in self.units[i].buckets)
 
     # -- one step ----------------------------------------------------------------------------------
     def run(self) -> int:
         n = len(self.units)
         forward = list(range(n))
-        for pos, i in enumerate(forward):
-            self.start(i)
-            if self.warm:
-                for j in forward[pos + 1 : pos + 1 + self.prefetch]:
-                    self.start(j)
+        for i in forward:
+            self.gather_ahead(i, forward if self.warm else [], self.prefetch)
             self.wait(i)
             if i != 0:
                 self._post_forward(i)
@@ -190,16 +252,14 @@ class _Replay:
         plan = backward if self.warm else list(reversed(forward))
         for i in backward:
             if self.zero3 and self.state[i] != "gathered":
-                self.start(i)
-                at = plan.index(i)
-                for j in plan[at + 1 : at + 1 + self.prefetch]:
-                    self.start(j)
+                self.gather_ahead(i, plan, self.prefetch)
                 self.wait(i)
             if i != 0:
                 self._post_backward(i)
         self._post_backward(0)
+        self.flush()
         while self.pending:
-            self.live -= self.pending.popleft()[1]
+            self.live -= sum(self.pending.popleft())
         for i in range(n):
             self.release(i)
         assert self.live == 0, self.live

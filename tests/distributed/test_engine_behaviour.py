@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fullshard
+from fullshard.distributed import comm
 from fullshard.testing import DistributedGroup, check_parity, local_rows
 from fullshard.testing.models import Block, ConvBNNet, TinyGPT
 
@@ -388,7 +389,19 @@ def test_counts_table(group2):
 
 
 # == 2. memory ===============================================================================
-def _memory_profile(strategy: str, bucketing: str, prefetch_limit: int) -> dict:
+def _memory_profile(
+    strategy: str, bucketing: str, prefetch_limit: int, coalesce_bytes: int = 0
+) -> dict:
+    """Memory over three steps; by default with one exchange per unit (small units' gathers
+    batched together, comm.COALESCE_BYTES, hold the units of a batch together)."""
+    previous, comm.COALESCE_BYTES = comm.COALESCE_BYTES, coalesce_bytes
+    try:
+        return _memory_steps(strategy, bucketing, prefetch_limit)
+    finally:
+        comm.COALESCE_BYTES = previous
+
+
+def _memory_steps(strategy: str, bucketing: str, prefetch_limit: int) -> dict:
     ref, model = _wrap(
         StackNet,
         sharding_strategy=strategy,
@@ -458,6 +471,62 @@ def test_zero3_holds_about_one_unit_zero2_everything(group2, bucketing):
         # ZeRO-2 keeps every unit from its forward to its backward: the whole model.
         assert everything <= mem["peak_unsharded_param_bytes"] <= everything + transient
         assert z3["steps"][step]["peak_unsharded_param_bytes"] < mem["peak_unsharded_param_bytes"]
+
+
+def _batched_exchanges(coalesce_blocks: int) -> dict:
+    """Three ZeRO-3 steps with small units' exchanges batched up to `coalesce_blocks` blocks'
+    bytes per rank (1: one unit per exchange): point-to-point sends, counted collectives and
+    the gathered peak of each step."""
+    probe = _wrap(StackNet, sharding_strategy="ZERO3", auto_wrap_policy={BigBlock})[1]
+    block_bytes = probe.fullshard_runtime.units[1].gather_nbytes  # per rank
+    previous, comm.COALESCE_BYTES = comm.COALESCE_BYTES, coalesce_blocks * block_bytes
+    sends: list[int] = []
+    isend = dist.isend
+    dist.isend = lambda *a, **k: sends.append(1) or isend(*a, **k)  # what pairwise.py calls
+    try:
+        ref, model = _wrap(StackNet, sharding_strategy="ZERO3", bucketing_strategy="BLOCK",
+                           auto_wrap_policy={BigBlock}, prefetch_limit=1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01)
+        gen = torch.Generator().manual_seed(5)
+        steps = []
+        for _ in range(3):
+            x, y = ref.make_batch(4 * dist.get_world_size(), gen)
+            sends.clear()
+            got = _one_step(model, x, y, 4)
+            ref.loss(x, y).backward()
+            _assert_close_to_ref(model, ref)
+            steps.append({"sends": len(sends),
+                          "calls": {k: v["calls"] for k, v in got["stats"].items()},
+                          "peak": got["memory"]["peak_unsharded_param_bytes"]})
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+        units = model.fullshard_runtime.units
+        gathered = [u.gather_nbytes * dist.get_world_size() for u in units]
+        return {"steps": steps, "root": gathered[0], "block": gathered[1]}
+    finally:
+        dist.isend = isend
+        comm.COALESCE_BYTES = previous
+
+
+def test_small_units_exchange_together_with_the_same_collectives(group2):
+    """Units below comm.COALESCE_BYTES are gathered (and reduced) several per exchange: the
+    counted collectives stay the algorithm's (2 all-gathers + 1 reduce-scatter per unit
+    under ZeRO-3), far fewer messages go out, and the gathered peak follows the budget."""
+    alone = group2.run(_batched_exchanges, 1)[0]  # one unit per exchange
+    batched = group2.run(_batched_exchanges, 3)[0]
+    root, block = batched["root"], batched["block"]
+    for one, many in zip(alone["steps"][1:], batched["steps"][1:]):  # warm steps
+        assert many["calls"] == one["calls"]
+        assert one["calls"]["all_gather"] == 10 and one["calls"]["reduce_scatter"] == 5
+        # one message per unit and peer for each of 15 collectives, folded headers included
+        assert one["sends"] == 15
+        # forward: root + 2 blocks, then 2 blocks; backward the same; reductions: 2 batches
+        assert many["sends"] <= 8, many
+        # the running block and a window of 3 blocks' bytes per rank, beside the root
+        assert root + 2 * block < many["peak"] <= root + 3 * block, (many, root, block)
+        assert one["peak"] <= root + 2 * block, (one, root, block)
 
 
 def _retained_after_forward(strategy: str, bucketing: str) -> tuple[int, int]:

@@ -118,11 +118,13 @@ def test_planner_matches_the_engine(group, strategy, precision, layers):
         ), f"rank {m['rank']}"
         assert (m["params"], m["grads"]) == (row.param_bytes, row.grad_bytes)
         assert m["optimizer"] <= row.optimizer_bytes  # the row reports rank 0, the largest
-        for step, peak in enumerate(m["peaks"]):
-            assert abs(row.working_set_bytes - peak) <= 0.10 * peak, (
-                f"rank {m['rank']} step {step}: measured peak {peak}, "
-                f"predicted {row.working_set_bytes}"
-            )
+        # The plan is the peak of training: the larger of the first step (no recorded order,
+        # so no prefetch and no batching of small units) and a later one.
+        peak = max(m["peaks"])
+        assert abs(row.working_set_bytes - peak) <= 0.10 * peak, (
+            f"rank {m['rank']}: measured peaks {m['peaks']}, predicted {row.working_set_bytes}"
+        )
+        assert all(p <= row.working_set_bytes * 1.10 for p in m["peaks"]), m["peaks"]
         for step, comm in enumerate(m["comm"]):
             predicted = {k: row.comm_bytes_by_kind.get(k, 0) for k in comm}
             if m["rank"] == n - 1:  # the busiest: gloo's reduce-scatter sends no padding,

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fullshard
+from fullshard.distributed import comm
 from fullshard.testing import DistributedGroup, check_parity, local_rows
 from fullshard.testing.parity import compare
 
@@ -496,6 +497,16 @@ def _freeze_middle(step: int, model: nn.Module, ref: nn.Module) -> None:
 
 
 def _frozen_backward_peak() -> dict:
+    # One exchange per unit: batching small units' gathers (comm.COALESCE_BYTES) holds the
+    # units of a batch together by design, which is not what this test is about.
+    coalesce, comm.COALESCE_BYTES = comm.COALESCE_BYTES, 0
+    try:
+        return _frozen_backward_peaks()
+    finally:
+        comm.COALESCE_BYTES = coalesce
+
+
+def _frozen_backward_peaks() -> dict:
     ref, model = _wrap(
         _deep_net,
         sharding_strategy="ZERO3",
