@@ -7,12 +7,26 @@ forward   unit pre-hook: start the unit's gather (unless prefetched), prefetch t
           unsharded views (through `GatheredParams`). Post-hook: uninstall; ZeRO-3 releases.
 backward  `GatheredParams.backward` (once per unit, when its gradients are complete) issues
           the reduction of every bucket's unsharded gradients asynchronously; the reductions
-          of at most `max_pending_reductions` units stay in flight (a unit's buckets count
+          of at most `max_pending_reductions` issues stay in flight (a unit's buckets count
           once, so LAYER/NONE bucketing does not wait on its own reductions), older ones are
           finished (waited and written to `.grad`) while earlier units compute. The unit is
           released.
 end       a callback queued on the autograd engine finishes all reductions and releases every
           unit, so nothing unsharded survives the step.
+
+[Note: small units travel together]
+Each exchange has a fixed cost (on gloo a message round, ~0.1-1 ms in a busy step) that a
+small unit cannot hide behind its compute. Where the backend can send several collectives as
+one exchange (gloo's pairwise path, comm.all_gather_batch), the runtime gathers ahead, beyond
+`prefetch_limit` units, as many more as keep `comm.COALESCE_BYTES` per rank in flight, in one
+exchange, and refills the window only when one of the next `prefetch_limit` units is not in
+flight (`_gather_ahead`; the same in ZeRO-3's backward). Reductions of small units wait in a
+batch until another unit of the same size would not fit, or backward ends
+(`_queue_reductions`). The collectives counted stay the algorithm's (one per bucket); only
+the messages are fewer. Memory: ZeRO-3 holds the running unit plus at most
+max(`prefetch_limit` units, COALESCE_BYTES per rank gathered) ahead, and up to COALESCE_BYTES
+per rank of unsharded gradients waiting; large units are exactly as without batching. NCCL
+issues one collective per bucket as before.
 
 [Note: what a training loop may do between steps]
 The loop is the user's (design §2.7); the runtime keeps no state that a step that went wrong
