@@ -18,15 +18,15 @@ end       a callback queued on the autograd engine finishes all reductions and r
 Each exchange has a fixed cost (on gloo a message round, ~0.1-1 ms in a busy step) that a
 small unit cannot hide behind its compute. Where the backend can send several collectives as
 one exchange (gloo's pairwise path, comm.all_gather_batch), the runtime gathers ahead, beyond
-`prefetch_limit` units, as many more as keep `comm.COALESCE_BYTES` per rank in flight, in one
+`prefetch_limit` units, as many more as keep `SMALL_UNITS_BYTES` per rank in flight, in one
 exchange, and refills the window only when one of the next `prefetch_limit` units is not in
 flight (`_gather_ahead`; the same in ZeRO-3's backward). Reductions of small units wait in a
 batch until another unit of the same size would not fit, or backward ends
 (`_queue_reductions`). The collectives counted stay the algorithm's (one per bucket); only
 the messages are fewer. Memory: ZeRO-3 holds the running unit plus at most
-max(`prefetch_limit` units, COALESCE_BYTES per rank gathered) ahead, and up to COALESCE_BYTES
-per rank of unsharded gradients waiting; large units are exactly as without batching. NCCL
-issues one collective per bucket as before.
+max(`prefetch_limit` units, SMALL_UNITS_BYTES per rank gathered) ahead, and up to
+SMALL_UNITS_BYTES per rank of unsharded gradients waiting; large units are exactly as without
+batching. NCCL issues one collective per bucket as before.
 
 [Note: what a training loop may do between steps]
 The loop is the user's (design §2.7); the runtime keeps no state that a step that went wrong
@@ -81,6 +81,18 @@ from fullshard.distributed.mesh import ShardMesh
 from fullshard.engine.bucket import Bucket, PendingReduction, issue_reductions
 from fullshard.engine.precision import cast_floating
 from fullshard.engine.unit import BackwardDone, Unit, UnitState
+
+SMALL_UNITS_BYTES = 1 << 20
+"""Bytes per rank of small units gathered ahead (and of their gradients held) to travel in one
+exchange, where the backend allows (see the note on small units). It bounds what ZeRO-3 holds
+beyond `prefetch_limit` units, so it stays well below comm.COALESCE_BYTES (4 MiB), the size
+up to which one exchange is packed into one message: a model under 4 MiB per rank would
+otherwise be gathered whole by ZeRO-3."""
+
+
+def small_units_bytes() -> int:
+    """`SMALL_UNITS_BYTES`, within what comm sends as one message (0 when that is off)."""
+    return min(SMALL_UNITS_BYTES, max(comm.COALESCE_BYTES, 0))
 
 
 class _SavedParamView(NamedTuple):
@@ -302,11 +314,11 @@ class Runtime:
         order recorded on the last pass, `unit` expected at `pos`).
 
         Ahead means the next `limit` units and, where small units' exchanges can be sent
-        together (gloo), as many more as keep the bytes in flight within `comm.COALESCE_BYTES`
+        together (gloo), as many more as keep the bytes in flight within `SMALL_UNITS_BYTES`
         per rank: they are issued in one exchange with `unit` if it needs one. The window is
         refilled only when one of the next `limit` units is not in flight, so a run of small
-        units costs one exchange per ~COALESCE_BYTES, not one per unit. Memory: the units in
-        flight ahead are `limit` units or COALESCE_BYTES per rank gathered, whichever is more.
+        units costs one exchange per ~SMALL_UNITS_BYTES, not one per unit. Memory: the units in
+        flight ahead are `limit` units or SMALL_UNITS_BYTES per rank gathered, whichever is more.
         """
         window: list[Unit] = []
         if limit > 0 and pos < len(order) and order[pos] is unit:
@@ -326,7 +338,7 @@ class Runtime:
 
     def _batch_bytes(self) -> int:
         """Bytes per rank up to which small units' exchanges go together (0: never)."""
-        return comm.COALESCE_BYTES if comm.gathers_segments(self.mesh.shard) else 0
+        return small_units_bytes() if comm.gathers_segments(self.mesh.shard) else 0
 
     # -- ZeRO-3 saved tensors ---------------------------------------------------------------
     # Under torch.compile the hooks run eagerly: dynamo cannot trace storage pointers and
@@ -446,7 +458,7 @@ class Runtime:
         """Send one unit's reductions, or hold small ones to go with the next units'.
 
         A unit's deferred reductions join a batch that is issued (one exchange) once it holds
-        about `COALESCE_BYTES` per rank: when another unit of the same size would not fit,
+        about `SMALL_UNITS_BYTES` per rank: when another unit of the same size would not fit,
         and at the end of backward. The reductions of at most `max_pending_reductions` issues
         stay in flight; older ones are finished while earlier units compute."""
         issued = [p for p in unit_pendings if p.request is None]  # packed: sent already

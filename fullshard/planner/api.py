@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Iterable
 
 from fullshard.config import ShardingPlan, resolve_bucketing_strategy, resolve_sharding_strategy
-from fullshard.distributed import comm
+from fullshard.engine.hooks import small_units_bytes
 from fullshard.planner.activations import activation_bytes
 from fullshard.planner.estimate import (
     comm_bytes,
@@ -121,7 +121,7 @@ def plan(
                 costs_by_shard[shard], reshard_after_forward=sp.reshard_after_forward,
                 shard_size=shard, prefetch_limit=prefetch_limit,
                 max_pending_reductions=max_pending_reductions,
-                batch_bytes=comm.COALESCE_BYTES if backend == "gloo" else 0,
+                batch_bytes=small_units_bytes() if backend == "gloo" else 0,
             )
             row = PlanRow(
                 n, name, mesh,

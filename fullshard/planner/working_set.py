@@ -21,14 +21,14 @@ The replay follows `engine/hooks.py` for one step, in the unit order root, block
 
 forward   pre-hook of each unit: start its gather, prefetch the next `prefetch_limit` units
           (the order recorded on the previous step; none on the first step) -- on gloo more
-          while the bytes in flight stay within `comm.COALESCE_BYTES` per rank, refilled only
-          when one of the next `prefetch_limit` is not in flight -- and wait. Post-hook:
-          ZeRO-3 releases the unit, ZeRO-2 keeps it. The root's post-hook runs last.
+          while the bytes in flight stay within `SMALL_UNITS_BYTES` per rank (hooks.py),
+          refilled only when one of the next `prefetch_limit` is not in flight -- and wait.
+          Post-hook: ZeRO-3 releases the unit, ZeRO-2 keeps it. The root's post-hook runs last.
 backward  ZeRO-3 (with S > 1): the root is gathered again first (the LM head is the last op of
           forward), then each block in reverse, each gather prefetching the next
           `prefetch_limit` in the recorded backward order (the same window). When a unit's
           gradients are complete its buckets are packed and their reductions issued -- on
-          gloo held back until the batch would pass `COALESCE_BYTES` -- those of at most
+          gloo held back until the batch would pass `SMALL_UNITS_BYTES` -- those of at most
           `max_pending_reductions` issues stay in flight, so the one being packed can be the
           (max_pending_reductions + 1)-th; then the unit is released. The root's gradients
           complete last (its embedding is the first op of forward). ZeRO-2 and S == 1 (where
@@ -128,8 +128,8 @@ def working_set_bytes(
     batch_bytes: int = 0,
 ) -> int:
     """Peak transient bytes over a step (the larger of the first step and a later one).
-    `batch_bytes`: gloo's `comm.COALESCE_BYTES` (small units' exchanges go together), 0 for
-    NCCL or S == 1."""
+    `batch_bytes`: gloo's `hooks.small_units_bytes()` (small units' exchanges go together), 0
+    for NCCL or S == 1."""
     return max(
         _Replay(units, reshard_after_forward and shard_size > 1, prefetch_limit,
                 max_pending_reductions, warm=warm,
