@@ -186,13 +186,12 @@ def all_gather_batch(
     return handles
 
 
-COALESCE_BYTES = 4 << 20
+COALESCE_BYTES = 1 << 20
 """Pairwise exchanges of at most this many bytes per rank go out as one message per peer,
 even when split into segments or made of several units' buckets (see `_small`); the engine
-gathers and reduces consecutive small units together up to this size. 0 turns it off.
-4 MiB: on config A (2 ranks, blocks of 1.6 MB per rank) one packed message per block gather
-was ~3% faster per step than 12 messages per block at 1 MiB; the copy it costs grows with
-the size, the messages' cost does not."""
+batches small units within it (hooks.SMALL_UNITS_BYTES). 0 turns both off. 4 MiB (config A's
+1.6 MB-per-rank blocks packed) measured the same as 1 MiB within this machine's noise, so
+the smaller copies and header receive buffers stay."""
 
 
 def _batchable(items: Sequence[Any], nbytes: int, tensors: Iterable[torch.Tensor]) -> bool:

@@ -84,10 +84,10 @@ from fullshard.engine.unit import BackwardDone, Unit, UnitState
 
 SMALL_UNITS_BYTES = 1 << 20
 """Bytes per rank of small units gathered ahead (and of their gradients held) to travel in one
-exchange, where the backend allows (see the note on small units). It bounds what ZeRO-3 holds
-beyond `prefetch_limit` units, so it stays well below comm.COALESCE_BYTES (4 MiB), the size
-up to which one exchange is packed into one message: a model under 4 MiB per rank would
-otherwise be gathered whole by ZeRO-3."""
+exchange, where the backend allows (see the note on small units). A memory decision: it bounds
+what ZeRO-3 holds beyond `prefetch_limit` units (at 4 MiB the 8-layer demo model would be
+gathered whole), kept apart from comm.COALESCE_BYTES, the size up to which one exchange is
+packed into one message, and capped by it."""
 
 
 def small_units_bytes() -> int:
