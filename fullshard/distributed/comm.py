@@ -172,15 +172,17 @@ def all_gather_batch(
         packed = (
             pairwise and _small(_nbytes(flat_in)) and (len(pieces) > 1 or bool(label and check))
         )
-        seq, ident, header = _sequence(group, "all_gather", label, check, fold=packed)
+        seq, ident, wanted = _sequence(group, "all_gather", label, check)
         if packed:
             handle = all_gather_packed(
-                [(output, input, pieces, label)], group, seq, [ident], header, _header_capacity()
+                [(output, input, pieces, label)], group, seq, [ident], wanted, _header_capacity()
             )
         elif pairwise:
+            header = _own_header(group, seq, ident, wanted)
             handle = all_gather_pairwise(output, flat_in, pieces, group, seq, ident, header)
         else:
             work = _all_gather_into(output, input, group=group.pg, async_op=True)
+            header = _own_header(group, seq, ident, wanted)
             handle = CommHandle(work, refs=(output, input), header=header)
         handles.append(_settle(handle, async_op))
     return handles
@@ -221,18 +223,18 @@ def _small(nbytes: int) -> bool:
 
 
 def _sequence(
-    group: Group, kind: str, label: str | None, check: bool, *, fold: bool = False
-) -> tuple[int, int, Any]:
-    """The collective's sequence number, its kind + label hash (for the tags) and its header
-    (gloo, labelled, `check`): with `fold`, True when the caller folds it into its data
-    messages, else the `Header` posted here (or None/False when there is none)."""
+    group: Group, kind: str, label: str | None, check: bool
+) -> tuple[int, int, bool]:
+    """The collective's sequence number, its kind + label hash (for the tags) and whether it
+    carries a header (gloo, labelled, `check`)."""
     seq = _next_seq(group)
     ident = exchange_id(kind, label or "")
-    if label is None or not check or group.backend != "gloo":
-        return seq, ident, False if fold else None
-    if fold:
-        return seq, ident, True
-    return seq, ident, Header(group, seq, [ident], capacity=_header_capacity())
+    return seq, ident, label is not None and check and group.backend == "gloo"
+
+
+def _own_header(group: Group, seq: int, ident: int, wanted: bool) -> Header | None:
+    """The header of an exchange that cannot fold it, posted as a message of its own."""
+    return Header(group, seq, [ident], capacity=_header_capacity()) if wanted else None
 
 
 def reduce_scatter(
@@ -256,7 +258,7 @@ def reduce_scatter(
         )
     n = _nbytes(input)
     _COUNTERS.add("reduce_scatter", n, n * (group.size - 1) / group.size)
-    _, _, header = _sequence(group, "reduce_scatter", label, check)
+    header = _own_header(group, *_sequence(group, "reduce_scatter", label, check))
     work = _reduce_scatter_into(output, input, group=group.pg, async_op=True)
     handle = CommHandle(work, refs=(output, input), header=header)
     return _settle(handle, async_op)
@@ -315,12 +317,13 @@ def reduce_scatter_batch(
     for item, pieces, check in zip(items, plans, checks):
         output, inputs, _, label = item
         packed = _small(_nbytes(output)) and (len(pieces) > 1 or bool(label and check))
-        seq, ident, header = _sequence(group, "reduce_scatter", label, check, fold=packed)
+        seq, ident, wanted = _sequence(group, "reduce_scatter", label, check)
         if packed:
             handle = reduce_scatter_packed(
-                [item], [pieces], group, seq, [ident], header, _header_capacity()
+                [item], [pieces], group, seq, [ident], wanted, _header_capacity()
             )
         else:
+            header = _own_header(group, seq, ident, wanted)
             handle = reduce_scatter_pairwise(output, inputs, pieces, group, seq, ident, header)
         handles.append(_settle(handle, async_op))
     return handles
@@ -342,7 +345,7 @@ def all_reduce(
     _COUNTERS.add("all_reduce", n, 2 * n * (group.size - 1) / group.size)
     header = None
     if label is not None and check and group.backend == "gloo":
-        _, _, header = _sequence(group, "all_reduce", label, check)
+        header = _own_header(group, *_sequence(group, "all_reduce", label, check))
     if header is None and not async_op:
         dist.all_reduce(tensor, op=op, group=group.pg)
         return _DONE

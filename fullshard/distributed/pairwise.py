@@ -141,7 +141,7 @@ def all_gather_pairwise(
     group: Group,
     seq: int,
     ident: int,
-    header: Any,
+    header: Header | None,
 ) -> CommHandle:
     """A large all-gather: each piece sent to and received from every peer in place."""
     size, rank = group.size, group.rank
@@ -184,14 +184,9 @@ def all_gather_packed(
         torch.split_with_sizes_copy(flat_in, pieces, out=[reg[rank] for reg in regions])
         plans.append((flat_in, pieces, regions))
     dtype, nbytes = ins[0].dtype, sum(_nbytes(x) for x in ins)
-    head = header_size(len(idents)) if fold else 0
-    if head or len(ins) > 1:
-        send = torch.empty(head + nbytes, dtype=torch.uint8, device=ins[0].device)
-        if fold:
-            send[:head].copy_(header_bytes(seq, idents))
-        torch.cat(ins, out=send[head:].view(dtype))
-    else:
-        send = ins[0]
+    prefix = header_bytes(seq, idents) if fold else None
+    head = 0 if prefix is None else prefix.numel()
+    send = ins[0] if prefix is None and len(ins) == 1 else _message(prefix, ins)
     row = capacity if fold else nbytes
     staged = torch.empty((size - 1, row), dtype=torch.uint8, device=send.device)
     tag = tag_of(seq, 0, 0) if fold else tag_of(seq, idents[0], 1)
@@ -226,6 +221,20 @@ def all_gather_packed(
     return CommHandle([] if fold else works, on_done=place, refs=refs, header=header)
 
 
+def _message(prefix: torch.Tensor | None, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One message: the header bytes `prefix` (if any), then `parts` (one dtype) back to back
+    -- the copy that packing costs."""
+    head = 0 if prefix is None else prefix.numel()
+    nbytes = sum(_nbytes(x) for x in parts)
+    device = parts[0].device if parts else torch.device("cpu")
+    out = torch.empty(head + nbytes, dtype=torch.uint8, device=device)
+    if prefix is not None:
+        out[:head].copy_(prefix)
+    if parts:
+        torch.cat(parts, out=out[head:].view(parts[0].dtype))
+    return out
+
+
 def segments_plan(
     output: torch.Tensor, inputs: Sequence[torch.Tensor], sizes: Sequence[int], group: Group
 ) -> list[tuple[torch.Tensor, int, list[int]]]:
@@ -247,7 +256,7 @@ def reduce_scatter_pairwise(
     group: Group,
     seq: int,
     ident: int,
-    header: Any,
+    header: Header | None,
 ) -> CommHandle:
     """A large reduce-scatter: every chunk sent straight from its input, piece by piece."""
     size, rank = group.size, group.rank
@@ -312,7 +321,8 @@ def reduce_scatter_packed(
     dtype = items[0][0].dtype
     esize = items[0][0].element_size()
     counts = [sum(real[r] for _, _, real in pieces) for r in range(size)]
-    head = header_size(len(idents)) if fold else 0
+    prefix = header_bytes(seq, idents) if fold else None
+    head = 0 if prefix is None else prefix.numel()
     row = capacity if fold else counts[rank] * esize
     staged = torch.empty((size - 1, row), dtype=torch.uint8, device=items[0][0].device)
     tag = tag_of(seq, 0, 0) if fold else tag_of(seq, idents[0], 1)
@@ -321,16 +331,7 @@ def reduce_scatter_packed(
         dst, src = (rank + step) % size, (rank - step) % size
         if counts[dst] > 0 or fold:
             chunks = [x[dst * n : dst * n + real[dst]] for x, n, real in pieces if real[dst]]
-            if not fold and len(chunks) == 1:
-                send = chunks[0]
-            else:
-                send = torch.empty(
-                    head + counts[dst] * esize, dtype=torch.uint8, device=staged.device
-                )
-                if fold:
-                    send[:head].copy_(header_bytes(seq, idents))
-                if chunks:
-                    torch.cat(chunks, out=send[head:].view(dtype))
+            send = chunks[0] if prefix is None and len(chunks) == 1 else _message(prefix, chunks)
             sends.append(send)
             works.append(dist.isend(send, group.ranks[dst], group=group.pg, tag=tag))
         if counts[rank] > 0 or fold:

@@ -430,7 +430,7 @@ class Runtime:
             return None
         all_grads = unit.take_grads(grads)
         result: list[torch.Tensor | None] = []
-        issued: list[PendingReduction] = []
+        unit_pendings: list[PendingReduction] = []
         start = 0
         for bucket, mask in routing:
             chunk, unused = [], []
@@ -447,9 +447,9 @@ class Runtime:
                 reduced = pending.finish(to_grad=False)
                 result += [g for g, routed in zip(reduced, mask) if routed]
                 continue
-            issued.append(pending)
-        if issued:
-            self._queue_reductions(issued)
+            unit_pendings.append(pending)
+        if unit_pendings:
+            self._queue_reductions(unit_pendings)
         if self.sync_gradients:
             self._release(unit)
         return result if returns else None

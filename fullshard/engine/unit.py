@@ -35,6 +35,7 @@ head runs could reduce it early.)
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -140,9 +141,10 @@ class Unit:
         """Gathered, or its gather issued (True for a unit without parameters)."""
         return all(b.in_flight for b in self.buckets)
 
-    @property
+    @functools.cached_property
     def gather_nbytes(self) -> int:
-        """Bytes this rank sends per peer to gather the unit."""
+        """Bytes this rank sends per peer to gather the unit (fixed at wrap; read for every
+        unit ahead at each pre-forward)."""
         return sum(b.gather_nbytes for b in self.buckets)
 
     def start_gather(self, *, async_op: bool) -> None:
