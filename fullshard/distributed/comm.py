@@ -13,7 +13,9 @@ On gloo, all-gathers and reduce-scatters run as point-to-point exchanges (pairwi
 the algorithms and the notes on them and on ranks that run different units); comm.py decides
 which one runs: one message per piece for large exchanges, one packed message per peer for
 small ones (`_small`), several small collectives in one exchange when the engine issues them
-together (`all_gather_batch`, `reduce_scatter_batch`: each still counts as one call).
+together (`all_gather_batch`, `reduce_scatter_batch`, `all_reduce_batch`: each still counts as
+one call). A small sum all-reduce on gloo is one such exchange too (`_packed_sum`); larger
+ones, and other reductions, are gloo's own all-reduce.
 
 [Note: the NCCL algorithm on gloo, for tests]
 `use_native_collectives(True)` (or FULLSHARD_NATIVE_COLLECTIVES=1 in the environment) makes
@@ -66,6 +68,7 @@ from fullshard.distributed.pairwise import (
     Header,
     all_gather_packed,
     all_gather_pairwise,
+    all_reduce_packed,
     reduce_scatter_packed,
     reduce_scatter_pairwise,
     segments_plan,
@@ -102,9 +105,15 @@ def _use_pairwise(group: Group) -> bool:
     return group.backend == "gloo" and not _NATIVE_ON_GLOO
 
 
+def pairwise_exchanges(group: Group) -> bool:
+    """Whether this group's all-gathers, reduce-scatters and small sums run as our own
+    point-to-point exchanges (gloo), which can carry several collectives at once."""
+    return group.size > 1 and _use_pairwise(group)
+
+
 def gathers_segments(group: Group) -> bool:
     """Whether `all_gather(..., segments=...)` can land data parameter-major by itself."""
-    return group.size > 1 and _use_pairwise(group)
+    return pairwise_exchanges(group)
 
 
 def all_gather(
@@ -338,9 +347,14 @@ def all_reduce(
     label: str | None = None,
     check: bool = True,
 ) -> CommHandle:
-    """Reduce `tensor` in place over the group (`label`, `check`: see `all_gather`)."""
+    """Reduce `tensor` in place over the group (`label`, `check`: see `all_gather`).
+
+    On gloo a small sum travels as one message per peer (`_packed_sum`), the header folded
+    in; anything else is the backend's all-reduce, with a header message of its own."""
     if group.size == 1:
         return _DONE
+    if _packed_sum(group, op, [tensor]):
+        return all_reduce_batch([(tensor, label)], group, async_op=async_op, check=check)[0]
     n = _nbytes(tensor)
     _COUNTERS.add("all_reduce", n, 2 * n * (group.size - 1) / group.size)
     header = None
@@ -351,6 +365,47 @@ def all_reduce(
         return _DONE
     work = dist.all_reduce(tensor, op=op, group=group.pg, async_op=True)
     return _settle(CommHandle(work, refs=(tensor,), header=header), async_op)
+
+
+def all_reduce_batch(
+    items: Sequence[tuple[torch.Tensor, str | None]],
+    group: Group,
+    *,
+    async_op: bool = False,
+    check: bool | Sequence[bool] = True,
+) -> list[CommHandle]:
+    """Several sum all-reduces `(tensor, label)` issued together: as one exchange sharing one
+    handle when `_packed_sum` allows them all at once (the engine batches NO_SHARD's small
+    units this way; each still counts as one all-reduce), else one after the other."""
+    if group.size == 1:
+        return [_DONE] * len(items)
+    checks = [check] * len(items) if isinstance(check, bool) else list(check)
+    tensors = [t for t, _ in items]
+    if len(items) <= MAX_BATCH and _packed_sum(group, dist.ReduceOp.SUM, tensors):
+        seq = _next_seq(group)
+        idents = [exchange_id("all_reduce", lab or "") for _, lab in items]
+        label = items[0][1]
+        fold = len(items) > 1 or (label is not None and checks[0])
+        handle = all_reduce_packed(tensors, group, seq, idents, fold, _header_capacity())
+        return [_settle(handle, async_op)] * len(items)
+    return [
+        all_reduce(t, group, async_op=async_op, label=lab, check=c)
+        for (t, lab), c in zip(items, checks)
+    ]
+
+
+def _packed_sum(group: Group, op: Any, tensors: Sequence[torch.Tensor]) -> bool:
+    """Sum these tensors as one packed exchange (`pairwise.all_reduce_packed`)? On gloo, for a
+    sum of contiguous tensors of one dtype whose copies to all peers, N-1 times their bytes,
+    stay within `COALESCE_BYTES`: there one message round beats the ring's 2(N-1) steps."""
+    return (
+        pairwise_exchanges(group)
+        and op == dist.ReduceOp.SUM
+        and len({t.dtype for t in tensors}) == 1
+        and tensors[0].dtype != torch.bool
+        and all(t.is_contiguous() for t in tensors)
+        and _small(sum(_nbytes(t) for t in tensors) * (group.size - 1))
+    )
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Group) -> None:

@@ -1,4 +1,5 @@
-"""Gloo's all-gather and reduce-scatter as point-to-point exchanges (for comm.py).
+"""Gloo's all-gather, reduce-scatter and small all-reduce as point-to-point exchanges (for
+comm.py).
 
 comm.py decides which algorithm runs, counts it and is the only caller of torch.distributed
 collectives; this module holds the algorithms it runs on gloo, which use only the
@@ -373,4 +374,61 @@ def reduce_scatter_packed(
     # The caller's input objects themselves, not views of them: memory.track counts a
     # tensor until that object dies.
     refs = (tuple(x[0] for x in items), tuple(tuple(x[1]) for x in items), staged, tuple(sends))
+    return CommHandle([] if fold else works, on_done=sum_in_rank_order, refs=refs, header=header)
+
+
+def all_reduce_packed(
+    tensors: Sequence[torch.Tensor],
+    group: Group,
+    seq: int,
+    idents: Sequence[int],
+    fold: bool,
+    capacity: int,
+) -> CommHandle:
+    """Small sum all-reduces (comm's `_small`) in one exchange: every tensor, one after the
+    other (after the header if `fold`), goes whole to each peer as one message; each peer's
+    message lands in a staging row and, once all are in (`wait()`), every tensor becomes the
+    sum of the N ranks' values in rank order -- the same operands in the same order on every
+    rank, so the replicas stay bit-identical. One message round instead of a ring's 2(N-1)
+    steps, for N-1 times the tensors' bytes sent instead of 2(N-1)/N times (equal on two
+    ranks): comm takes this path only while that stays within `COALESCE_BYTES`."""
+    size, rank = group.size, group.rank
+    flats = [t.view(-1) for t in tensors]
+    dtype, nbytes = flats[0].dtype, sum(_nbytes(x) for x in flats)
+    prefix = header_bytes(seq, idents) if fold else None
+    head = 0 if prefix is None else prefix.numel()
+    # Always a copy: besides being what is sent, it is our operand of the sum, which
+    # overwrites the tensors themselves (rank r > 0 writes ranks 0 and 1's sum first).
+    send = _message(prefix, flats)
+    staged = torch.empty((size - 1, capacity if fold else nbytes), dtype=torch.uint8,
+                         device=send.device)
+    tag = tag_of(seq, 0, 0) if fold else tag_of(seq, idents[0], 1)
+    works = []
+    for step in range(1, size):
+        dst, src = (rank + step) % size, (rank - step) % size
+        works.append(dist.isend(send, group.ranks[dst], group=group.pg, tag=tag))
+        works.append(
+            dist.irecv(staged[src - (src > rank)], group.ranks[src], group=group.pg, tag=tag)
+        )
+    for x in flats:
+        _COUNTERS.add("all_reduce", _nbytes(x), _nbytes(x) * (size - 1))
+    if fold:
+        _COUNTERS.add_headers(size - 1, head)
+    header = Header(group, seq, idents, rows=staged, works=works) if fold else None
+
+    def sum_in_rank_order() -> None:
+        rows = [send] * size
+        for r in range(size):
+            if r != rank:
+                rows[r] = staged[r - (r > rank)]
+        data = [row[head : head + nbytes].view(dtype) for row in rows]
+        start = 0
+        for flat in flats:
+            parts = [d[start : start + flat.numel()] for d in data]
+            torch.add(parts[0], parts[1], out=flat)
+            for part in parts[2:]:
+                flat.add_(part)
+            start += flat.numel()
+
+    refs = (tuple(tensors), staged, send)
     return CommHandle([] if fold else works, on_done=sum_in_rank_order, refs=refs, header=header)

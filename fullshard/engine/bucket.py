@@ -322,8 +322,9 @@ class Bucket:
 
         `unused[i]`: this rank's backward gave parameter i no gradient (its entry in `grads`
         is `unused_grad`); `write[i]`: parameter i requires grad now, so its `.grad` is set.
-        `defer`: where the gradients go unpacked (gloo), leave the shard-axis reduction to
-        `issue_reductions` (`.request` is then set), which sends small ones together."""
+        `defer`: where the reduction is our own exchange (gloo: the shard-axis reduce-scatter
+        of unpacked gradients, or NO_SHARD's all-reduce), leave it to `issue_reductions`
+        (`.request` is then set), which sends small ones together."""
         if self.accumulated_grad is not None and self.accumulation_abandoned():
             self.drop_accumulated_grad()
         # With a no_sync accumulation, `unused` (this micro-batch) only selects which
@@ -337,7 +338,7 @@ class Bucket:
         if self.accumulated_grad is not None:
             packed.add_(self.accumulated_grad)
             self.accumulated_grad = None
-        return PendingReduction(self, unused, write, packed=packed)
+        return PendingReduction(self, unused, write, packed=packed, defer=defer)
 
     def _flat_grads(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The unsharded gradients as flat tensors in the reduce dtype, for a reduce-scatter
@@ -378,16 +379,21 @@ def start_gathers(buckets: Sequence[Bucket], *, async_op: bool) -> None:
 
 
 def issue_reductions(pendings: Sequence[PendingReduction]) -> None:
-    """Issue the shard-axis reductions of deferred `pendings` (`Bucket.start_reduce(defer=
-    True)`) together: comm sends small ones as one exchange with one handle."""
-    if not pendings:
-        return
-    handles = comm.reduce_scatter_batch(
-        [p.request for p in pendings], pendings[0].bucket.mesh.shard, async_op=True,
-        check=[p.bucket.check_reduce for p in pendings],
-    )
-    for p, handle in zip(pendings, handles):
-        p.request, p._handle = None, handle
+    """Issue the deferred reductions of `pendings` (`Bucket.start_reduce(defer=True)`: the
+    shard-axis reduce-scatters, or NO_SHARD's all-reduces) together: comm sends small ones
+    as one exchange with one handle."""
+    sums = [p for p in pendings if p.bucket.mesh.shard.size == 1]  # NO_SHARD's all-reduces
+    scatters = [p for p in pendings if p.bucket.mesh.shard.size > 1]
+    for batch, issue in ((sums, comm.all_reduce_batch), (scatters, comm.reduce_scatter_batch)):
+        if not batch:
+            continue
+        mesh = batch[0].bucket.mesh
+        handles = issue(
+            [p.request for p in batch], mesh.shard if batch is scatters else mesh.replicate,
+            async_op=True, check=[p.bucket.check_reduce for p in batch],
+        )
+        for p, handle in zip(batch, handles):
+            p.request, p._handle = None, handle
 
 
 class PendingReduction:
@@ -430,10 +436,14 @@ class PendingReduction:
         if mesh.shard.size == 1:
             assert packed is not None
             self.output = packed  # already this rank's (only) chunk
-            self._handle = comm.all_reduce(
-                packed, mesh.replicate, async_op=True, label=bucket.label, check=bucket.check_reduce
-            )
             self._replicate_pending = False
+            if defer and comm.pairwise_exchanges(mesh.replicate):
+                self.request = (packed, bucket.label)
+            else:
+                self._handle = comm.all_reduce(
+                    packed, mesh.replicate, async_op=True, label=bucket.label,
+                    check=bucket.check_reduce,
+                )
         else:
             self.output = torch.empty(bucket.numel, dtype=bucket.reduce_dtype, device=bucket.device)
             if packed is not None:

@@ -22,7 +22,9 @@ one exchange (gloo's pairwise path, comm.all_gather_batch), the runtime gathers 
 exchange, and refills the window only when one of the next `prefetch_limit` units is not in
 flight (`_gather_ahead`; the same in ZeRO-3's backward). Reductions of small units wait in a
 batch until another unit of the same size would not fit, or backward ends
-(`_queue_reductions`). The collectives counted stay the algorithm's (one per bucket); only
+(`_queue_reductions`); NO_SHARD's all-reduces too (each sends its whole gradients to N-1
+peers, so their budget is SMALL_UNITS_BYTES / (N-1); the gradients are `.grad`'s storage, so
+waiting costs no memory). The collectives counted stay the algorithm's (one per bucket); only
 the messages are fewer. Memory: ZeRO-3 holds the running unit plus at most
 max(`prefetch_limit` units, SMALL_UNITS_BYTES per rank gathered) ahead, and up to
 SMALL_UNITS_BYTES per rank of unsharded gradients waiting; large units are exactly as without
@@ -337,8 +339,18 @@ class Runtime:
         unit.start_gather_with(window, async_op=True)
 
     def _batch_bytes(self) -> int:
-        """Bytes per rank up to which small units' exchanges go together (0: never)."""
+        """Bytes per rank up to which small units' gathers go together (0: never)."""
         return small_units_bytes() if comm.gathers_segments(self.mesh.shard) else 0
+
+    def _reduce_batch_bytes(self) -> int:
+        """The same for their reductions: the shard axis's reduce-scatters or, without one
+        (NO_SHARD), the all-reduces, which send their whole tensors to each of N-1 peers."""
+        if self.mesh.shard.size > 1:
+            return self._batch_bytes()
+        replicate = self.mesh.replicate
+        if not comm.pairwise_exchanges(replicate):
+            return 0
+        return small_units_bytes() // (replicate.size - 1)
 
     # -- ZeRO-3 saved tensors ---------------------------------------------------------------
     # Under torch.compile the hooks run eagerly: dynamo cannot trace storage pointers and
@@ -467,7 +479,7 @@ class Runtime:
         batch = self._reduce_batch
         batch += [p for p in unit_pendings if p.request is not None]
         size = sum(p.nbytes for p in batch)
-        if batch and size + sum(p.nbytes for p in unit_pendings) > self._batch_bytes():
+        if batch and size + sum(p.nbytes for p in unit_pendings) > self._reduce_batch_bytes():
             self._flush_reductions()
 
     def _flush_reductions(self) -> None:

@@ -191,3 +191,67 @@ def _diverging_labels() -> str:
 def test_a_label_mismatch_raises_on_every_rank(group):
     for msg in group.run(_diverging_labels):
         assert "the all_gather of unit 0" in msg and "the all_gather of unit 1" in msg, msg
+
+
+def _small_sums(coalesce_bytes: int) -> dict:
+    """Small sum all-reduces: alone, batched, and one the packed path may not take."""
+    comm.COALESCE_BYTES = coalesce_bytes
+    group = comm.Group.from_process_group()
+    size, rank = group.size, group.rank
+    comm.reset_comm_stats()
+    mine = _grads(rank)
+    alone = mine[0].clone()
+    comm.all_reduce(alone, group, label="alone")
+    batch = [g.clone() for g in mine[1:]]
+    handles = comm.all_reduce_batch([(t, f"unit {i}") for i, t in enumerate(batch)], group,
+                                    async_op=True)
+    for h in handles:
+        h.wait()
+    biggest = torch.full((4,), float(rank + 1))
+    comm.all_reduce(biggest, group, op=comm.dist.ReduceOp.MAX)  # not a sum: gloo's own
+    stats = comm.comm_stats()["all_reduce"]
+    # The definition: every rank's tensors summed in rank order.
+    want = [sum(parts[1:], parts[0]) for parts in zip(*(_grads(r) for r in range(size)))]
+    return {
+        "got": [alone, *batch],
+        "want": want,
+        "biggest": biggest,
+        "max": float(size),
+        "stats": stats,
+        "sent": sum(g.numel() for g in mine) * 4 * (size - 1),
+        "ring": 2 * 4 * (size - 1) / size * 4,
+    }
+
+
+@pytest.mark.parametrize("coalesce_bytes", [1 << 20, 0], ids=["packed", "gloo"])
+def test_small_sum_all_reduces_equal_the_rank_order_sum(group, coalesce_bytes):
+    """On gloo a small sum goes whole to every peer in one message (several units' sums in
+    one exchange) and each rank adds the N values in rank order: bit for bit the definition,
+    the same on every rank, counted as one all-reduce each with the bytes really sent."""
+    results = group.run(_small_sums, coalesce_bytes)
+    for got in results:
+        for g, w in zip(got["got"], got["want"]):
+            torch.testing.assert_close(g, w, rtol=0 if coalesce_bytes else 1e-6, atol=0)
+        assert bool((got["biggest"] == got["max"]).all())
+        assert got["stats"]["calls"] == len(SHAPES) + 1
+        if coalesce_bytes:
+            assert got["stats"]["wire_bytes"] == pytest.approx(got["sent"] + got["ring"], abs=1)
+    for got in results[1:]:  # the replicas agree exactly, whichever path ran
+        for g, first in zip(got["got"], results[0]["got"]):
+            assert torch.equal(g, first)
+
+
+def _diverging_sums() -> str:
+    group = comm.Group.from_process_group()
+    for label in ("unit 0", "unit 1"):
+        comm.register_label(label)
+    try:
+        comm.all_reduce(torch.ones(3), group, label=f"unit {group.rank % 2}")
+    except comm.RankDivergenceError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_sum_label_mismatch_raises_on_every_rank(group):
+    for msg in group.run(_diverging_sums):
+        assert "the all_reduce of unit 0" in msg and "the all_reduce of unit 1" in msg, msg

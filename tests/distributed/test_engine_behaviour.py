@@ -529,6 +529,45 @@ def test_small_units_exchange_together_with_the_same_collectives(group2):
         assert one["peak"] <= root + 2 * block, (one, root, block)
 
 
+def _no_shard_sums(coalesce_bytes: int) -> list[dict]:
+    """Three NO_SHARD steps: point-to-point sends and counted collectives of each."""
+    previous, comm.COALESCE_BYTES = comm.COALESCE_BYTES, coalesce_bytes
+    sends: list[int] = []
+    isend = dist.isend
+    dist.isend = lambda *a, **k: sends.append(1) or isend(*a, **k)  # what pairwise.py calls
+    try:
+        ref, model = _wrap(StackNet, sharding_strategy="NO_SHARD", bucketing_strategy="BLOCK",
+                           auto_wrap_policy={BigBlock})
+        gen = torch.Generator().manual_seed(6)
+        steps = []
+        for _ in range(3):
+            x, y = ref.make_batch(4 * dist.get_world_size(), gen)
+            sends.clear()
+            got = _one_step(model, x, y, 4)
+            ref.loss(x, y).backward()
+            _assert_close_to_ref(model, ref)
+            steps.append({"sends": len(sends),
+                          "calls": {k: v["calls"] for k, v in got["stats"].items()}})
+            model.zero_grad()
+            ref.zero_grad()
+        return steps
+    finally:
+        dist.isend = isend
+        comm.COALESCE_BYTES = previous
+
+
+def test_no_shard_sums_small_units_in_one_exchange(group2):
+    """NO_SHARD on gloo: the all-reduces of units that together stay within the batching
+    budget travel as one message per peer (each still counted as one all-reduce); with
+    packing off, each is gloo's all-reduce with a header message of its own."""
+    for packed, native in zip(group2.run(_no_shard_sums, 1 << 20)[0],
+                              group2.run(_no_shard_sums, 0)[0]):
+        assert packed["calls"] == native["calls"]
+        assert packed["calls"]["all_reduce"] == 5 and packed["calls"]["reduce_scatter"] == 0
+        assert packed["sends"] == 1  # StackNet's 5 units: ~0.1 MB, one exchange
+        assert native["sends"] == 5  # one header message per unit, the data through gloo
+
+
 def _retained_after_forward(strategy: str, bucketing: str) -> tuple[int, int]:
     """How many of the unsharded buffers gathered during forward, and of the tensors the
     modules were handed in place of their parameters, are still alive (held by anyone: the
