@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Iterable
 
 from fullshard.config import ShardingPlan, resolve_bucketing_strategy, resolve_sharding_strategy
+from fullshard.distributed import comm
 from fullshard.engine.hooks import small_units_bytes
 from fullshard.planner.activations import activation_bytes
 from fullshard.planner.estimate import (
@@ -128,8 +129,10 @@ def plan(
                 param_bytes=state.params, grad_bytes=state.grads,
                 optimizer_bytes=state.optimizer, working_set_bytes=working,
                 backward_scratch_bytes=scratch, activation_bytes=activations,
-                comm_bytes_by_kind=comm_bytes(structure, mesh, sp.reshard_after_forward,
-                                              precision_spec, backend),
+                comm_bytes_by_kind=comm_bytes(
+                    structure, mesh, sp.reshard_after_forward, precision_spec, backend,
+                    packed_sum_bytes=comm.COALESCE_BYTES if backend == "gloo" else 0,
+                ),
             )
             if budget_bytes is not None:
                 row = dataclasses.replace(row, fits=row.total_bytes <= budget_bytes)

@@ -29,7 +29,10 @@ compute (gather) and reduce dtype sizes, on a `(R, S)` mesh:
                                               gradients, no padding: (numel - its own
                                               rows) * r, most on the last shard rank (the
                                               fewest rows), the rank reported
-    all-reduce      2 * L * r * (R - 1) / R   trainable buckets, R > 1 (NO_SHARD: L = numel)
+    all-reduce      2 * L * r * (R - 1) / R   trainable buckets, R > 1 (NO_SHARD: L = numel);
+                                              gloo sends a small one (L * r * (R - 1) within
+                                              comm.COALESCE_BYTES) whole to every peer:
+                                              L * r * (R - 1), the same on two ranks
 
 i.e. about `3 * Psi * (N - 1) / N` words for ZeRO-3 and `2 * Psi * (N - 1) / N` for ZeRO-2 and
 NO_SHARD; bf16 gathers halve the all-gather part.
@@ -174,11 +177,14 @@ def comm_bytes(
     reshard_after_forward: bool,
     precision: PrecisionSpec,
     backend: str = "nccl",
+    packed_sum_bytes: int = 0,
 ) -> dict[str, int]:
     """Wire bytes the busiest rank sends per step, by collective kind (module docstring).
 
     Each collective is rounded down as `fullshard.distributed.comm` counts it, so on the same
     model and mesh these are the numbers `comm_stats()` reports for one training step.
+    `packed_sum_bytes`: gloo's `comm.COALESCE_BYTES` (0 for NCCL), up to which an all-reduce
+    sends its whole tensor to each of the R - 1 peers in one message.
     """
     replicate, shard = mesh
     out = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
@@ -200,5 +206,8 @@ def comm_bytes(
                 out["reduce_scatter"] += int(n * (shard - 1) / shard)
             if replicate > 1:
                 n = flat * _size(reduce)
-                out["all_reduce"] += int(2 * n * (replicate - 1) / replicate)
+                if 0 < n * (replicate - 1) <= packed_sum_bytes:
+                    out["all_reduce"] += n * (replicate - 1)
+                else:
+                    out["all_reduce"] += int(2 * n * (replicate - 1) / replicate)
     return out
