@@ -354,7 +354,7 @@ def all_reduce(
     if group.size == 1:
         return _DONE
     if _packed_sum(group, op, [tensor]):
-        return all_reduce_batch([(tensor, label)], group, async_op=async_op, check=check)[0]
+        return _all_reduce_packed([(tensor, label)], group, async_op, [check])[0]
     n = _nbytes(tensor)
     _COUNTERS.add("all_reduce", n, 2 * n * (group.size - 1) / group.size)
     header = None
@@ -380,18 +380,29 @@ def all_reduce_batch(
     if group.size == 1:
         return [_DONE] * len(items)
     checks = [check] * len(items) if isinstance(check, bool) else list(check)
-    tensors = [t for t, _ in items]
-    if len(items) <= MAX_BATCH and _packed_sum(group, dist.ReduceOp.SUM, tensors):
-        seq = _next_seq(group)
-        idents = [exchange_id("all_reduce", lab or "") for _, lab in items]
-        label = items[0][1]
-        fold = len(items) > 1 or (label is not None and checks[0])
-        handle = all_reduce_packed(tensors, group, seq, idents, fold, _header_capacity())
-        return [_settle(handle, async_op)] * len(items)
+    if len(items) <= MAX_BATCH and _packed_sum(group, dist.ReduceOp.SUM, [t for t, _ in items]):
+        return _all_reduce_packed(items, group, async_op, checks)
     return [
         all_reduce(t, group, async_op=async_op, label=lab, check=c)
         for (t, lab), c in zip(items, checks)
     ]
+
+
+def _all_reduce_packed(
+    items: Sequence[tuple[torch.Tensor, str | None]],
+    group: Group,
+    async_op: bool,
+    checks: Sequence[bool],
+) -> list[CommHandle]:
+    """Issue sums `_packed_sum` allowed as one exchange: a header folded in when it carries
+    several, or one labelled and checked."""
+    seq = _next_seq(group)
+    idents = [exchange_id("all_reduce", lab or "") for _, lab in items]
+    fold = len(items) > 1 or (items[0][1] is not None and checks[0])
+    handle = all_reduce_packed(
+        [t for t, _ in items], group, seq, idents, fold, _header_capacity()
+    )
+    return [_settle(handle, async_op)] * len(items)
 
 
 def _packed_sum(group: Group, op: Any, tensors: Sequence[torch.Tensor]) -> bool:

@@ -104,15 +104,8 @@ class Header:
         if rows is None:
             rows = torch.empty(group.size - 1, capacity, dtype=torch.uint8)
             mine, tag = header_bytes(seq, idents), tag_of(seq, 0, 0)
-            size, rank = group.size, group.rank
-            works = []
-            for step in range(1, size):
-                dst, src = (rank + step) % size, (rank - step) % size
-                works.append(dist.isend(mine, group.ranks[dst], group=group.pg, tag=tag))
-                works.append(
-                    dist.irecv(rows[src - (src > rank)], group.ranks[src], group=group.pg, tag=tag)
-                )
-            _COUNTERS.add_headers(size - 1, mine.numel())
+            works = _swap_with_peers(mine, rows, group, tag)
+            _COUNTERS.add_headers(group.size - 1, mine.numel())
         self.rows, self.works = rows, works or []
 
     def check(self) -> None:
@@ -133,6 +126,27 @@ def _parse(row: torch.Tensor) -> tuple[int, ...]:
     if not 0 < n <= MAX_BATCH or header_size(n) > row.numel():
         return ()
     return tuple(row[16 : header_size(n)].view(torch.int64).tolist())
+
+
+def _swap_with_peers(send: torch.Tensor, rows: torch.Tensor, group: Group, tag: int) -> list[Any]:
+    """Post `send` to every peer, and a receive of each peer's message into its row of `rows`
+    (peer r's row: r - (r > rank), i.e. the peers in rank order)."""
+    size, rank = group.size, group.rank
+    works = []
+    for step in range(1, size):
+        dst, src = (rank + step) % size, (rank - step) % size
+        works.append(dist.isend(send, group.ranks[dst], group=group.pg, tag=tag))
+        row = rows[src - (src > rank)]
+        works.append(dist.irecv(row, group.ranks[src], group=group.pg, tag=tag))
+    return works
+
+
+def _sum_into(out: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
+    """`out` = the N ranks' `parts` summed in rank order (the same rounding on every rank);
+    `out` may be one of the first two parts, never a later one."""
+    torch.add(parts[0], parts[1], out=out)
+    for part in parts[2:]:
+        out.add_(part)
 
 
 def all_gather_pairwise(
@@ -191,13 +205,7 @@ def all_gather_packed(
     row = capacity if fold else nbytes
     staged = torch.empty((size - 1, row), dtype=torch.uint8, device=send.device)
     tag = tag_of(seq, 0, 0) if fold else tag_of(seq, idents[0], 1)
-    works = []
-    for step in range(1, size):
-        dst, src = (rank + step) % size, (rank - step) % size
-        works.append(dist.isend(send, group.ranks[dst], group=group.pg, tag=tag))
-        works.append(
-            dist.irecv(staged[src - (src > rank)], group.ranks[src], group=group.pg, tag=tag)
-        )
+    works = _swap_with_peers(send, staged, group, tag)
     if fold:
         _COUNTERS.add_headers(size - 1, head)
     header = Header(group, seq, idents, rows=staged, works=works) if fold else None
@@ -293,9 +301,7 @@ def reduce_scatter_pairwise(
                     own if r == rank else received[r - (r > rank), start : start + mine]
                     for r in range(size)
                 ]
-                torch.add(parts[0], parts[1], out=out)
-                for part in parts[2:]:
-                    out.add_(part)
+                _sum_into(out, parts)
             flat_out[start + mine : start + n].zero_()
 
     return CommHandle(
@@ -363,9 +369,7 @@ def reduce_scatter_packed(
                         else peers[r - (r > rank)][compact : compact + mine]
                         for r in range(size)
                     ]
-                    torch.add(parts[0], parts[1], out=out)
-                    for part in parts[2:]:
-                        out.add_(part)
+                    _sum_into(out, parts)
                 if mine < n:
                     flat_out[start + mine : start + n].zero_()
                 start += n
@@ -403,13 +407,7 @@ def all_reduce_packed(
     staged = torch.empty((size - 1, capacity if fold else nbytes), dtype=torch.uint8,
                          device=send.device)
     tag = tag_of(seq, 0, 0) if fold else tag_of(seq, idents[0], 1)
-    works = []
-    for step in range(1, size):
-        dst, src = (rank + step) % size, (rank - step) % size
-        works.append(dist.isend(send, group.ranks[dst], group=group.pg, tag=tag))
-        works.append(
-            dist.irecv(staged[src - (src > rank)], group.ranks[src], group=group.pg, tag=tag)
-        )
+    works = _swap_with_peers(send, staged, group, tag)
     for x in flats:
         _COUNTERS.add("all_reduce", _nbytes(x), _nbytes(x) * (size - 1))
     if fold:
@@ -417,17 +415,11 @@ def all_reduce_packed(
     header = Header(group, seq, idents, rows=staged, works=works) if fold else None
 
     def sum_in_rank_order() -> None:
-        rows = [send] * size
-        for r in range(size):
-            if r != rank:
-                rows[r] = staged[r - (r > rank)]
+        rows = [send if r == rank else staged[r - (r > rank)] for r in range(size)]
         data = [row[head : head + nbytes].view(dtype) for row in rows]
         start = 0
         for flat in flats:
-            parts = [d[start : start + flat.numel()] for d in data]
-            torch.add(parts[0], parts[1], out=flat)
-            for part in parts[2:]:
-                flat.add_(part)
+            _sum_into(flat, [d[start : start + flat.numel()] for d in data])
             start += flat.numel()
 
     refs = (tuple(tensors), staged, send)

@@ -36,7 +36,7 @@ for as long as it is alive.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -384,16 +384,24 @@ def issue_reductions(pendings: Sequence[PendingReduction]) -> None:
     as one exchange with one handle."""
     sums = [p for p in pendings if p.bucket.mesh.shard.size == 1]  # NO_SHARD's all-reduces
     scatters = [p for p in pendings if p.bucket.mesh.shard.size > 1]
-    for batch, issue in ((sums, comm.all_reduce_batch), (scatters, comm.reduce_scatter_batch)):
-        if not batch:
-            continue
-        mesh = batch[0].bucket.mesh
-        handles = issue(
-            [p.request for p in batch], mesh.shard if batch is scatters else mesh.replicate,
-            async_op=True, check=[p.bucket.check_reduce for p in batch],
-        )
-        for p, handle in zip(batch, handles):
-            p.request, p._handle = None, handle
+    if sums:
+        _issue(sums, comm.all_reduce_batch, sums[0].bucket.mesh.replicate)
+    if scatters:
+        _issue(scatters, comm.reduce_scatter_batch, scatters[0].bucket.mesh.shard)
+
+
+def _issue(
+    pendings: Sequence[PendingReduction],
+    batch: Callable[..., list[CommHandle]],
+    group: comm.Group,
+) -> None:
+    """Hand the pendings' requests to comm's `*_batch` collective on `group`; keep the handles."""
+    handles = batch(
+        [p.request for p in pendings], group, async_op=True,
+        check=[p.bucket.check_reduce for p in pendings],
+    )
+    for p, handle in zip(pendings, handles):
+        p.request, p._handle = None, handle
 
 
 class PendingReduction:

@@ -175,22 +175,28 @@ def test_native_collectives_switch_runs_the_backend_collectives(group):
         assert got["calls"] == {"all_gather": 1, "reduce_scatter": 1}
 
 
-def _diverging_labels() -> str:
-    """Two ranks label their k-th exchange differently: both raise, before any data moves."""
+def _diverging_labels(kind: str) -> str:
+    """Two ranks label their k-th exchange differently: both raise, before any data moves.
+    Small exchanges (default COALESCE_BYTES): the header is folded into the one message."""
+    comm.COALESCE_BYTES = 1 << 20  # per rank process; earlier calls may have set it to 0
     shard = comm.Group.from_process_group()
-    out = torch.empty(3 * shard.size)
     for label in ("unit 0", "unit 1"):  # as the engine registers every bucket at wrap time
         comm.register_label(label)
+    label = f"unit {shard.rank % 2}"
     try:
-        comm.all_gather(out, torch.ones(3), shard, label=f"unit {shard.rank % 2}")
+        if kind == "all_gather":
+            comm.all_gather(torch.empty(3 * shard.size), torch.ones(3), shard, label=label)
+        else:  # a small sum
+            comm.all_reduce(torch.ones(3), shard, label=label)
     except comm.RankDivergenceError as e:
         return str(e)
     return "no error"
 
 
-def test_a_label_mismatch_raises_on_every_rank(group):
-    for msg in group.run(_diverging_labels):
-        assert "the all_gather of unit 0" in msg and "the all_gather of unit 1" in msg, msg
+@pytest.mark.parametrize("kind", ["all_gather", "all_reduce"])
+def test_a_label_mismatch_raises_on_every_rank(group, kind):
+    for msg in group.run(_diverging_labels, kind):
+        assert f"the {kind} of unit 0" in msg and f"the {kind} of unit 1" in msg, msg
 
 
 def _small_sums(coalesce_bytes: int) -> dict:
@@ -240,18 +246,3 @@ def test_small_sum_all_reduces_equal_the_rank_order_sum(group, coalesce_bytes):
         for g, first in zip(got["got"], results[0]["got"]):
             assert torch.equal(g, first)
 
-
-def _diverging_sums() -> str:
-    group = comm.Group.from_process_group()
-    for label in ("unit 0", "unit 1"):
-        comm.register_label(label)
-    try:
-        comm.all_reduce(torch.ones(3), group, label=f"unit {group.rank % 2}")
-    except comm.RankDivergenceError as e:
-        return str(e)
-    return "no error"
-
-
-def test_a_sum_label_mismatch_raises_on_every_rank(group):
-    for msg in group.run(_diverging_sums):
-        assert "the all_reduce of unit 0" in msg and "the all_reduce of unit 1" in msg, msg

@@ -18,6 +18,7 @@ come back to the test to be asserted with readable diffs.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import weakref
@@ -473,17 +474,28 @@ def test_zero3_holds_about_one_unit_zero2_everything(group2, bucketing):
         assert z3["steps"][step]["peak_unsharded_param_bytes"] < mem["peak_unsharded_param_bytes"]
 
 
+@contextlib.contextmanager
+def _counting_sends(coalesce_bytes: int):  # type: ignore[no-untyped-def]
+    """With `comm.COALESCE_BYTES` set to `coalesce_bytes`, yield a list that gets one entry
+    per point-to-point send (what pairwise.py calls)."""
+    previous, comm.COALESCE_BYTES = comm.COALESCE_BYTES, coalesce_bytes
+    sends: list[int] = []
+    isend = dist.isend
+    dist.isend = lambda *a, **k: sends.append(1) or isend(*a, **k)
+    try:
+        yield sends
+    finally:
+        dist.isend = isend
+        comm.COALESCE_BYTES = previous
+
+
 def _batched_exchanges(coalesce_blocks: int) -> dict:
     """Three ZeRO-3 steps with small units' exchanges batched up to `coalesce_blocks` blocks'
     bytes per rank (1: one unit per exchange): point-to-point sends, counted collectives and
     the gathered peak of each step."""
     probe = _wrap(StackNet, sharding_strategy="ZERO3", auto_wrap_policy={BigBlock})[1]
     block_bytes = probe.fullshard_runtime.units[1].gather_nbytes  # per rank
-    previous, comm.COALESCE_BYTES = comm.COALESCE_BYTES, coalesce_blocks * block_bytes
-    sends: list[int] = []
-    isend = dist.isend
-    dist.isend = lambda *a, **k: sends.append(1) or isend(*a, **k)  # what pairwise.py calls
-    try:
+    with _counting_sends(coalesce_blocks * block_bytes) as sends:
         ref, model = _wrap(StackNet, sharding_strategy="ZERO3", bucketing_strategy="BLOCK",
                            auto_wrap_policy={BigBlock}, prefetch_limit=1)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -505,9 +517,6 @@ def _batched_exchanges(coalesce_blocks: int) -> dict:
         units = model.fullshard_runtime.units
         gathered = [u.gather_nbytes * dist.get_world_size() for u in units]
         return {"steps": steps, "root": gathered[0], "block": gathered[1]}
-    finally:
-        dist.isend = isend
-        comm.COALESCE_BYTES = previous
 
 
 def test_small_units_exchange_together_with_the_same_collectives(group2):
@@ -531,11 +540,7 @@ def test_small_units_exchange_together_with_the_same_collectives(group2):
 
 def _no_shard_sums(coalesce_bytes: int) -> list[dict]:
     """Three NO_SHARD steps: point-to-point sends and counted collectives of each."""
-    previous, comm.COALESCE_BYTES = comm.COALESCE_BYTES, coalesce_bytes
-    sends: list[int] = []
-    isend = dist.isend
-    dist.isend = lambda *a, **k: sends.append(1) or isend(*a, **k)  # what pairwise.py calls
-    try:
+    with _counting_sends(coalesce_bytes) as sends:
         ref, model = _wrap(StackNet, sharding_strategy="NO_SHARD", bucketing_strategy="BLOCK",
                            auto_wrap_policy={BigBlock})
         gen = torch.Generator().manual_seed(6)
@@ -551,9 +556,6 @@ def _no_shard_sums(coalesce_bytes: int) -> list[dict]:
             model.zero_grad()
             ref.zero_grad()
         return steps
-    finally:
-        dist.isend = isend
-        comm.COALESCE_BYTES = previous
 
 
 def test_no_shard_sums_small_units_in_one_exchange(group2):
