@@ -10,7 +10,8 @@ the 30-minute collective timeout):
   `os._exit`, a signal such as SIGKILL) it prints which rank failed and how, ends the other
   children (SIGTERM, then SIGKILL) and exits the whole launch with status 1;
 - when rank 0 itself fails, its exit handler names it (or a child that failed first, whose
-  death is what usually makes rank 0 fail) and ends the children before exiting;
+  death is what usually makes rank 0 fail: the ranks' failure records, `failures.py`, say
+  which came first) and ends the children before exiting;
 - every child polls its parent: if rank 0 disappears (even SIGKILLed, when no handler can
   run), the child says so and exits at once;
 - at a normal end rank 0 waits for its children and exits non-zero if any of them failed.
@@ -29,10 +30,15 @@ from collections.abc import Callable
 from typing import Any
 
 from fullshard.distributed.environment import ClusterEnvironment
+from fullshard.launch import failures
 
 _PARENT_PID_VAR = "FULLSHARD_LAUNCHER_PID"
 _POLL_S = 0.1
 _TERM_GRACE_S = 2.0
+# How long a failing rank 0 waits for the exit code of a child it knows failed first (from
+# the child's failure record): that child is already dying, but interpreter shutdown can take
+# seconds on a loaded machine.
+_FAILED_CHILD_EXIT_S = 10.0
 
 
 def describe_exit(code: int) -> str:
@@ -70,6 +76,8 @@ def install_rank_hooks(global_rank: int, local_rank: int) -> None:
     def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
         global _FAILED
         _FAILED = True
+        if exc_type is not KeyboardInterrupt:  # first, before the slow traceback printing
+            failures.record_failure(global_rank, local_rank, short(exc))
         previous(exc_type, exc, tb)
         if exc_type is not KeyboardInterrupt and not _LAUNCHING_PARENT:
             _say(
@@ -137,6 +145,8 @@ class SubprocessScriptLauncher:
         self._lock = threading.Lock()
         self._ending = False
         self._rank0_failed: tuple[type[BaseException], BaseException] | None = None
+        self._rank0_failed_at = 0.0
+        self._failure_dir: str | None = None
 
     def launch(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Start the other local ranks (unless something else already did), then run
@@ -168,6 +178,7 @@ class SubprocessScriptLauncher:
             LOCAL_WORLD_SIZE=str(self.num_processes),
         )
         command = _current_command()
+        self._failure_dir = failures.make_failure_directory()  # before the children copy env
         for local_rank in range(1, self.num_processes):
             child_env = dict(os.environ)
             child_env.update(
@@ -185,6 +196,7 @@ class SubprocessScriptLauncher:
 
         def note_failure(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
             self._rank0_failed = (exc_type, exc)
+            self._rank0_failed_at = time.time()
             previous(exc_type, exc, tb)
 
         sys.excepthook = note_failure
@@ -216,6 +228,7 @@ class SubprocessScriptLauncher:
             self._ending = True
         _say(message)
         self._stop_children()
+        failures.remove_failure_directory(self._failure_dir)
         os._exit(status)
 
     def _stop_children(self) -> None:
@@ -233,32 +246,53 @@ class SubprocessScriptLauncher:
                 p.kill()
                 p.wait()
 
+    def _child_that_failed_first(self) -> tuple[int, subprocess.Popen, str] | None:
+        """When rank 0 has failed: a child that failed before it, with how it ended, if any.
+
+        Rank 0 often fails *because* a child died (its collective broke). A child whose
+        failure record is older than rank 0's failure is named; it is already dying, so its
+        exit code is awaited for up to `_FAILED_CHILD_EXIT_S`. A child that left no record
+        (killed by a signal, `os._exit`) is named if it has exited non-zero within a moment."""
+        by_rank = {self._global_rank(local_rank): (local_rank, proc)
+                   for local_rank, proc in self.children}
+        record = failures.first_failure(self._failure_dir, among=by_rank)
+        if record is not None and record.time <= self._rank0_failed_at:
+            local_rank, proc = by_rank[record.rank]
+            try:
+                code = proc.wait(timeout=_FAILED_CHILD_EXIT_S)
+            except subprocess.TimeoutExpired:
+                return local_rank, proc, f"failed with {record.error}"
+            return local_rank, proc, f"{describe_exit(code)} ({record.error})"
+        deadline = time.monotonic() + 1.0
+        failed = self._failed_child()
+        while failed is None and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+            failed = self._failed_child()
+        if failed is None:
+            return None
+        local_rank, proc, code = failed
+        return local_rank, proc, describe_exit(code)
+
     def _at_exit(self) -> None:
         if self._ending:
             return
         if self._rank0_failed is not None:
-            # Rank 0 often fails *because* a child died (its collective broke): name the child
-            # when one has already failed, after giving its exit a moment to be reaped.
-            deadline = time.monotonic() + 1.0
-            failed = self._failed_child()
-            while failed is None and time.monotonic() < deadline:
-                time.sleep(_POLL_S)
-                failed = self._failed_child()
             rank0 = (
                 f"rank {self._global_rank(0)} (local rank 0, pid {os.getpid()}) failed with "
                 f"{short(self._rank0_failed[1])}"
             )
+            failed = self._child_that_failed_first()
             if failed is not None:
-                local_rank, proc, code = failed
+                local_rank, proc, how = failed
                 self._end(
                     f"rank {self._global_rank(local_rank)} (local rank {local_rank}, pid "
-                    f"{proc.pid}) {describe_exit(code)} first; then {rank0}. Ending the other "
-                    f"ranks."
+                    f"{proc.pid}) {how} first; then {rank0}. Ending the other ranks."
                 )
             self._end(f"{rank0}; ending the other ranks.")
         # A normal end: wait for the children (the watchdog still ends everything on failure).
         for _, proc in self.children:
             proc.wait()
+        failures.remove_failure_directory(self._failure_dir)
         failed = self._failed_child()
         if failed is not None:
             local_rank, proc, code = failed

@@ -10,13 +10,18 @@ a second, and a short shutdown timeout so a stuck worker is killed within second
 
 One node: `--standalone` (a rendezvous on a free local port) unless a master port is given.
 Several nodes: the static rendezvous at `--master-addr:--master-port`, one invocation per node
-with its `--node-rank`.
+with its `--node-rank`. The rank named as the first failure is this node's earliest recorded
+one (`fullshard.launch.failures`).
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
+
+from fullshard.launch import failures
 
 
 def _torchrun_options() -> set[str]:
@@ -67,25 +72,54 @@ def torchrun_argv(
 
 def run_with_torchrun(argv: Sequence[str]) -> int:
     """Run `torch.distributed.run` with `argv` in this process; 0 on success, else 1 (torch
-    has printed which rank failed and how)."""
+    has printed which rank failed and how, and we name the one that failed first)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
+    directory = failures.make_failure_directory()  # the workers inherit it
     try:
         torchrun_main(list(argv))
     except ChildFailedError as e:
         sys.stderr.write(f"{e}\n")
-        rank, failure = e.get_first_failure()
-        code = failure.exitcode
-        how = (f"was killed by signal {failure.signal_name()}" if code < 0
-               else f"exited with code {code}")
-        sys.stderr.write(
-            f"fullshard run: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) "
-            f"{how} (the first failure); the other ranks were stopped.\n"
-        )
+        sys.stderr.write(f"fullshard run: {_first_failure(e, directory)}; the other ranks were "
+                         f"stopped.\n")
         sys.stderr.flush()
         return 1
     except KeyboardInterrupt:
         return 130
+    finally:
+        failures.remove_failure_directory(directory)
     sys.stdout.flush()
     return 0
+
+
+def _first_failure(error: Any, directory: str) -> str:
+    """`rank R (local rank L, pid P) exited with code C (the first failure...)`.
+
+    torchelastic's own pick (`get_first_failure`) orders by one-second timestamps, and ties go
+    to the lowest rank: usually rank 0, which failed only because the real first failure
+    closed its connection. So:
+    - a rank that died without an exception (killed by a signal, `os._exit`) and not by the
+      agent's SIGTERM, which only stops the others after a failure, left no record to order
+      it by, and an exception in a peer at the same time is most likely its consequence: the
+      earliest of those by torchelastic's timestamps is named;
+    - otherwise the earliest failure record (sub-second times) is named;
+    - with neither, torchelastic's pick stands."""
+    records = failures.read_failures(directory)
+    silent = {rank: f for rank, f in error.failures.items()
+              if rank not in records and f.exitcode != -signal.SIGTERM}
+    recorded = [records[rank] for rank in error.failures if rank in records]
+    cause = ""
+    if silent:
+        rank = min(silent, key=lambda r: (silent[r].timestamp, r))
+    elif recorded:
+        first = min(recorded, key=lambda rec: rec.time)
+        rank, cause = first.rank, f": {first.error}"
+    else:
+        rank, _ = error.get_first_failure()
+    failure = error.failures[rank]
+    code = failure.exitcode
+    how = (f"was killed by signal {failure.signal_name()}" if code < 0
+           else f"exited with code {code}")
+    return (f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how} "
+            f"(the first failure{cause})")

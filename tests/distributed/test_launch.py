@@ -96,6 +96,64 @@ def test_environment_detection(monkeypatch) -> None:
     assert first_slurm_host("node1,node2") == "node1"
 
 
+# -- which failure came first ----------------------------------------------------------------
+def test_failure_records_order_the_ranks(tmp_path: Path, monkeypatch) -> None:
+    from fullshard.launch import failures
+
+    monkeypatch.delenv(failures.FAILURE_DIR_VAR, raising=False)
+    failures.record_failure(0, 0, "no directory: nothing written")  # and no error
+    assert failures.first_failure(None) is None
+    monkeypatch.setenv(failures.FAILURE_DIR_VAR, str(tmp_path))
+    failures.record_failure(1, 1, "RuntimeError: injected")
+    time.sleep(0.01)
+    failures.record_failure(0, 0, "RuntimeError: Connection closed by peer")
+    (tmp_path / "rank-7.json").write_text("{half a rec")  # unreadable: skipped
+    records = failures.read_failures(str(tmp_path))
+    assert sorted(records) == [0, 1] and records[1].error == "RuntimeError: injected"
+    assert failures.first_failure(str(tmp_path)).rank == 1
+    assert failures.first_failure(str(tmp_path), among=[0]).rank == 0
+    assert not list(tmp_path.glob("*.tmp"))
+
+    made = failures.make_failure_directory()
+    assert os.environ[failures.FAILURE_DIR_VAR] == made and os.path.isdir(made)
+    failures.remove_failure_directory(made)
+    assert not os.path.exists(made) and failures.FAILURE_DIR_VAR not in os.environ
+
+
+def test_fullshard_run_names_the_first_failure_not_torchelastics_tie(tmp_path: Path,
+                                                                     monkeypatch) -> None:
+    """torchelastic orders failures by whole seconds and gives ties to the lowest rank; the
+    ranks' records (sub-second) decide, and a rank killed by a signal outranks them."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from fullshard.launch import failures
+    from fullshard.launch.torchrun import _first_failure
+
+    def failed(**codes: int) -> ChildFailedError:
+        return ChildFailedError("script.py", {
+            int(r[1:]): ProcessFailure(local_rank=int(r[1:]), pid=100 + int(r[1:]), exitcode=c,
+                                       error_file="<N/A>")
+            for r, c in codes.items()})
+
+    directory = str(tmp_path)
+    # Nothing recorded: torchelastic's pick.
+    assert _first_failure(failed(r0=1, r1=1), directory).startswith("rank 0 (local rank 0")
+    monkeypatch.setenv(failures.FAILURE_DIR_VAR, directory)
+    failures.record_failure(1, 1, "RuntimeError: injected failure on rank 1")
+    time.sleep(0.01)
+    failures.record_failure(0, 0, "RuntimeError: Connection closed by peer")
+    said = _first_failure(failed(r0=1, r1=1), directory)
+    assert said == ("rank 1 (local rank 1, pid 101) exited with code 1 (the first failure: "
+                    "RuntimeError: injected failure on rank 1)")
+    # Rank 0 stopped by the agent's SIGTERM after recording its (second) failure: still rank 1.
+    assert _first_failure(failed(r0=-signal.SIGTERM, r1=1), directory).startswith("rank 1 ")
+    # Rank 2 was SIGKILLed (no record): the peers' exceptions are its consequence.
+    said = _first_failure(failed(r0=1, r1=1, r2=-signal.SIGKILL), directory)
+    assert said.startswith("rank 2 (local rank 2, pid 102) was killed by signal SIGKILL")
+
+
 # -- rank death -------------------------------------------------------------------------------
 def _gone(pid: int) -> bool:
     try:
@@ -139,7 +197,8 @@ def _launch_and_kill(tmp_path: Path, launcher: str, fail_rank: int, how: str) ->
 @pytest.mark.parametrize(
     "launcher, how, expected",
     [
-        ("run", "raise", r"rank 1 \(local rank 1, pid \d+\) exited with code 1 \(the first"),
+        ("run", "raise", r"rank 1 \(local rank 1, pid \d+\) exited with code 1 \(the first "
+                         r"failure: RuntimeError: injected failure on rank 1\)"),
         ("run", "sigkill", r"rank 1 \(local rank 1, pid \d+\) was killed by signal SIGKILL"),
         ("fabric", "raise", r"rank 1 \(local rank 1, pid \d+\) exited with code 1"),
         ("fabric", "sigkill", r"rank 1 \(local rank 1, pid \d+\) was killed by signal SIGKILL"),

@@ -1,0 +1,99 @@
+"""Which rank failed first. Each rank records its uncaught exception, with a sub-second time,
+in a directory its launcher names in `FULLSHARD_FAILURE_DIR`; when ranks fail, the launcher
+reads the records and reports the earliest.
+
+Why exit codes are not enough: when one rank raises, its exit handler tears its process group
+down, and its peers then fail with gloo's "Connection closed by peer" -- often *before* the
+first rank's process has finished dying (interpreter shutdown takes seconds on a loaded
+machine). So the first exit code to arrive can be a consequence, not the cause, and
+torchelastic's failure timestamps have one-second resolution, which makes the two a tie. The
+time an exception reached the top of its rank orders them: a peer only loses its connection
+after the failing rank's excepthook has run.
+
+Records are best effort: a rank killed by a signal or by `os._exit` writes none, and a rank
+that cannot write its record fails exactly as it would without one. Launchers fall back to
+exit codes when no record exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+FAILURE_DIR_VAR = "FULLSHARD_FAILURE_DIR"
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """One rank's uncaught exception: who, when (`time.time()`), and its first line."""
+
+    rank: int
+    local_rank: int
+    pid: int
+    time: float
+    error: str
+
+
+def record_failure(rank: int, local_rank: int, error: str) -> None:
+    """Record this rank's failure if a launcher asked for records. Never raises."""
+    directory = os.environ.get(FAILURE_DIR_VAR)
+    if not directory:
+        return
+    record = {"rank": rank, "local_rank": local_rank, "pid": os.getpid(),
+              "time": time.time(), "error": error}
+    path = os.path.join(directory, f"rank-{rank}.json")
+    try:  # write then rename, so a reader never sees half a record
+        with open(f"{path}.{os.getpid()}.tmp", "w") as f:
+            json.dump(record, f)
+        os.replace(f"{path}.{os.getpid()}.tmp", path)
+    except OSError:
+        pass
+
+
+def read_failures(directory: str | None) -> dict[int, FailureRecord]:
+    """The records in `directory` by global rank (none if it is unset or unreadable)."""
+    found: dict[int, FailureRecord] = {}
+    if not directory or not os.path.isdir(directory):
+        return found
+    for name in os.listdir(directory):
+        if not (name.startswith("rank-") and name.endswith(".json")):
+            continue
+        try:
+            with open(os.path.join(directory, name)) as f:
+                record = FailureRecord(**json.load(f))
+        except (OSError, ValueError, TypeError):
+            continue
+        found[record.rank] = record
+    return found
+
+
+def first_failure(
+    directory: str | None, among: Iterable[int] | None = None
+) -> FailureRecord | None:
+    """The earliest recorded failure (only of the ranks in `among`, when given)."""
+    records = read_failures(directory)
+    if among is not None:
+        wanted = set(among)
+        records = {r: rec for r, rec in records.items() if r in wanted}
+    return min(records.values(), key=lambda rec: rec.time, default=None)
+
+
+def make_failure_directory() -> str:
+    """A fresh directory for this launch's records, named in this process's environment so
+    the ranks it starts inherit it."""
+    directory = tempfile.mkdtemp(prefix="fullshard-failures-")
+    os.environ[FAILURE_DIR_VAR] = directory
+    return directory
+
+
+def remove_failure_directory(directory: str | None) -> None:
+    """Delete the records once the launch is over. Never raises."""
+    if directory:
+        shutil.rmtree(directory, ignore_errors=True)
+        if os.environ.get(FAILURE_DIR_VAR) == directory:
+            del os.environ[FAILURE_DIR_VAR]
