@@ -77,7 +77,10 @@ def install_rank_hooks(global_rank: int, local_rank: int) -> None:
         global _FAILED
         _FAILED = True
         if exc_type is not KeyboardInterrupt:  # first, before the slow traceback printing
-            failures.record_failure(global_rank, local_rank, short(exc))
+            if _launcher_gone():  # nobody will read a record: leave no directory behind
+                failures.remove_failure_directory(os.environ.get(failures.FAILURE_DIR_VAR))
+            else:
+                failures.record_failure(global_rank, local_rank, short(exc))
         previous(exc_type, exc, tb)
         if exc_type is not KeyboardInterrupt and not _LAUNCHING_PARENT:
             _say(
@@ -119,6 +122,13 @@ def short(exc: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _launcher_gone() -> bool:
+    """Whether this is a child of our launcher whose launching process has died."""
+    parent = os.environ.get(_PARENT_PID_VAR)
+    return bool(parent and parent.isdigit() and int(parent) != os.getpid()
+                and os.getppid() != int(parent))
+
+
 def _watch_parent(parent_pid: int, global_rank: int) -> None:
     while True:
         if os.getppid() != parent_pid:
@@ -126,6 +136,8 @@ def _watch_parent(parent_pid: int, global_rank: int) -> None:
                 f"rank {global_rank} (pid {os.getpid()}): the launching process (local rank 0, "
                 f"pid {parent_pid}) is gone; exiting."
             )
+            # A SIGKILLed launcher cleaned nothing up; its failure records have no reader.
+            failures.remove_failure_directory(os.environ.get(failures.FAILURE_DIR_VAR))
             os._exit(1)
         time.sleep(_POLL_S)
 

@@ -174,9 +174,11 @@ def _launch_and_kill(tmp_path: Path, launcher: str, fail_rank: int, how: str) ->
         cmd = [*FULLSHARD, "run", "--nproc-per-node", "2", *args]
     else:
         cmd = [sys.executable, *args, "--devices", "2"]
+    tmp = tmp_path / "tmp"  # the launch's temporary files, to check that none is left over
+    tmp.mkdir()
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**child_env(), "TMPDIR": str(tmp)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         out = proc.communicate(timeout=60)[0]
     except subprocess.TimeoutExpired:
@@ -191,6 +193,7 @@ def _launch_and_kill(tmp_path: Path, launcher: str, fail_rank: int, how: str) ->
     while not all(_gone(p) for p in recorded) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert all(_gone(p) for p in recorded), f"left running: {recorded}\n{out[-3000:]}"
+    assert not list(tmp.glob("fullshard-failures-*")), "the failure records were left behind"
     return out
 
 
