@@ -226,7 +226,8 @@ def _small(nbytes: int) -> bool:
     messages per peer and collective, and a header message is as dear as a block's. Packing
     costs one copy of what is exchanged, far cheaper than the messages below `COALESCE_BYTES`;
     above it the copy grows with the data while the messages' cost does not, so large buckets
-    keep one message per piece (no copy) and a header of their own. The decision depends only
+    keep one message per piece (no copy; the pieces below `pairwise.SMALL_PIECE_BYTES`
+    together in one) and a header of their own. The decision depends only
     on sizes, so every rank of the group makes the same one (the messages must match)."""
     return 0 < nbytes <= COALESCE_BYTES
 

@@ -18,12 +18,13 @@ ours in rank order (so every rank's sum has the same rounding). Each rank sends 
 B·(N−1)/N bytes -- the ring optimum -- and the same 32 MB took ~14 ms either way. Large
 exchanges work piece by piece (`*_pairwise`): an all-gather lands each parameter's rows in
 place, and a reduce-scatter sends each peer its rows straight from every unpacked gradient (no
-packed copy, no padding on the wire: wire bytes count what is really sent). With many ranks
-this is N−1 messages per collective instead of a ring's pipeline; NCCL keeps its own
-collectives, which already are optimal. Each gloo message has a fixed cost (~0.1-0.2 ms here,
-more inside a busy step), so small exchanges (`*_packed`) send everything as one message per
-peer -- every piece of a bucket, and the buckets of several small units the engine issues
-together -- at the price of one copy of what is exchanged.
+packed copy, no padding on the wire: wire bytes count what is really sent); only the pieces
+too small to be worth a message (`SMALL_PIECE_BYTES`: biases, norms) go together, copied.
+With many ranks this is N−1 messages per collective instead of a ring's pipeline; NCCL keeps
+its own collectives, which already are optimal. Each gloo message has a fixed cost
+(~0.1-0.2 ms here, more inside a busy step), so small exchanges (`*_packed`) send everything
+as one message per peer -- every piece of a bucket, and the buckets of several small units
+the engine issues together -- at the price of one copy of what is exchanged.
 
 [Note: ranks that run different units]
 Every exchange is matched by its position in the group's sequence, so all ranks must issue
@@ -149,6 +150,19 @@ def _sum_into(out: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
         out.add_(part)
 
 
+SMALL_PIECE_BYTES = 64 << 10
+"""In a large exchange, the pieces of at most this many bytes per rank (a block's biases and
+norms: 8 of its 12 parameters) travel together as one more message per peer instead of one
+each. Measured on this 2-core machine (2 gloo ranks): each extra message of a round costs
+~50 us, a 64 KiB copy ~13 us, and a packed piece is copied twice (in, then out)."""
+
+
+def _small_pieces(sizes: Sequence[int], element_size: int) -> list[int]:
+    """Indices of the pieces sent together (none unless there are at least two)."""
+    small = [j for j, n in enumerate(sizes) if 0 < n * element_size <= SMALL_PIECE_BYTES]
+    return small if len(small) > 1 else []
+
+
 def all_gather_pairwise(
     output: torch.Tensor,
     flat_in: torch.Tensor,
@@ -158,21 +172,41 @@ def all_gather_pairwise(
     ident: int,
     header: Header | None,
 ) -> CommHandle:
-    """A large all-gather: each piece sent to and received from every peer in place."""
+    """A large all-gather: each piece sent to and received from every peer in place, but the
+    small pieces (`SMALL_PIECE_BYTES`) together in one message per peer, received into a
+    staging row and copied into place at `wait()`."""
     size, rank = group.size, group.rank
     flat_out = output.view(-1)
-    works, start = [], 0
+    small = set(_small_pieces(pieces, flat_in.element_size()))
+    works, start, packed = [], 0, []  # packed: (our piece, its slots) of the small pieces
     for j, piece in enumerate(pieces):
         mine = flat_in[start : start + piece]
         slots = flat_out[size * start : size * (start + piece)].view(size, piece)
         slots[rank].copy_(mine)
+        start += piece
+        if j in small:
+            packed.append((mine, slots))
+            continue
         tag = tag_of(seq, ident, j + 1)
         for step in range(1, size):
             dst, src = (rank + step) % size, (rank - step) % size
             works.append(dist.isend(mine, group.ranks[dst], group=group.pg, tag=tag))
             works.append(dist.irecv(slots[src], group.ranks[src], group=group.pg, tag=tag))
-        start += piece
-    return CommHandle(works, refs=(output, flat_in), header=header)
+    if not packed:
+        return CommHandle(works, refs=(output, flat_in), header=header)
+    send = torch.cat([mine for mine, _ in packed])
+    staged = send.new_empty((size - 1, send.numel()))
+    works += _swap_with_peers(send, staged, group, tag_of(seq, ident, len(pieces) + 1))
+    sizes = [mine.numel() for mine, _ in packed]
+
+    def place() -> None:
+        for r in range(size):
+            if r != rank:
+                torch.split_with_sizes_copy(
+                    staged[r - (r > rank)], sizes, out=[slots[r] for _, slots in packed]
+                )
+
+    return CommHandle(works, on_done=place, refs=(output, flat_in, send, staged), header=header)
 
 
 def all_gather_packed(
@@ -267,15 +301,30 @@ def reduce_scatter_pairwise(
     ident: int,
     header: Header | None,
 ) -> CommHandle:
-    """A large reduce-scatter: every chunk sent straight from its input, piece by piece."""
+    """A large reduce-scatter: every chunk sent straight from its input, piece by piece, but
+    the small pieces' chunks (`SMALL_PIECE_BYTES`) together in one message per peer, received
+    into a staging row."""
     size, rank = group.size, group.rank
     flat_out = output.view(-1)
     direct = size == 2
     # Received chunks of the peers in rank order (row r - (r > rank)); none on two ranks.
     received = None if direct else output.new_empty((size - 1, output.numel()))
+    small = set(_small_pieces([n for _, n, _ in pieces], output.element_size()))
     works, wire, offset, plan = [], 0, 0, []
+    packed_for: list[list[torch.Tensor]] = [[] for _ in range(size)]  # chunks for each peer
+    packed_mine = 0  # elements of our chunks of the small pieces (what each peer sends us)
     for j, (x, n, real) in enumerate(pieces):
         mine = real[rank]
+        # where a small piece's peer chunks start in the staging rows (None: received whole)
+        staged_at = packed_mine if j in small else None
+        plan.append((x[rank * n : rank * n + mine], offset, mine, n, staged_at))
+        if j in small:
+            for dst in range(size):
+                if dst != rank and real[dst] > 0:
+                    packed_for[dst].append(x[dst * n : dst * n + real[dst]])
+            packed_mine += mine
+            offset += n
+            continue
         tag = tag_of(seq, ident, j + 1)
         for step in range(1, size):
             dst, src = (rank + step) % size, (rank - step) % size
@@ -287,14 +336,31 @@ def reduce_scatter_pairwise(
                 into = flat_out if received is None else received[src - (src > rank)]
                 into = into[offset : offset + mine]
                 works.append(dist.irecv(into, group.ranks[src], group=group.pg, tag=tag))
-        plan.append((x[rank * n : rank * n + mine], offset, mine, n))
         offset += n
+    sends, staged = [], None
+    if small:
+        tag = tag_of(seq, ident, len(pieces) + 1)
+        staged = output.new_empty((size - 1, packed_mine))
+        for step in range(1, size):
+            dst, src = (rank + step) % size, (rank - step) % size
+            if packed_for[dst]:
+                sends.append(torch.cat(packed_for[dst]))
+                works.append(dist.isend(sends[-1], group.ranks[dst], group=group.pg, tag=tag))
+                wire += _nbytes(sends[-1])
+            if packed_mine > 0:
+                row = staged[src - (src > rank)]
+                works.append(dist.irecv(row, group.ranks[src], group=group.pg, tag=tag))
     _COUNTERS.add("reduce_scatter", size * _nbytes(output), wire)
 
     def sum_in_rank_order() -> None:
-        for own, start, mine, n in plan:
+        for own, start, mine, n, staged_at in plan:
             out = flat_out[start : start + mine]
-            if received is None:
+            if staged_at is not None:
+                if mine > 0:
+                    peers = staged[:, staged_at : staged_at + mine]  # type: ignore[index]
+                    _sum_into(out, [own if r == rank else peers[r - (r > rank)]
+                                    for r in range(size)])
+            elif received is None:
                 out.add_(own)
             elif mine > 0:
                 parts = [
@@ -304,9 +370,8 @@ def reduce_scatter_pairwise(
                 _sum_into(out, parts)
             flat_out[start + mine : start + n].zero_()
 
-    return CommHandle(
-        works, on_done=sum_in_rank_order, refs=(output, tuple(inputs), received), header=header
-    )
+    refs = (output, tuple(inputs), received, staged, tuple(sends))
+    return CommHandle(works, on_done=sum_in_rank_order, refs=refs, header=header)
 
 
 def reduce_scatter_packed(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fullshard.distributed import comm
+from fullshard.distributed import comm, pairwise
 from fullshard.engine.layout import ShardLayout
 from fullshard.engine.layout import pad_rows as pad
 
@@ -33,8 +33,20 @@ def _grads(rank: int) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=gen) for shape in SHAPES]
 
 
-def _reduce_scatter_segments(coalesce_bytes: int) -> dict:
-    comm.COALESCE_BYTES = coalesce_bytes  # per rank process; the next call sets it again
+# (COALESCE_BYTES, SMALL_PIECE_BYTES): one message per peer; every piece a message of its own;
+# a message per piece of more than 16 bytes per rank and one for the others (2 of 4 pieces
+# on 2 and 3 ranks: see SHAPES).
+EXCHANGES = {"coalesced": (1 << 20, pairwise.SMALL_PIECE_BYTES), "per-piece": (0, 0),
+             "small-pieces-together": (0, 16)}
+
+
+def _set_sizes(exchange: str) -> None:
+    """Set the thresholds in this rank process (every call sets them again)."""
+    comm.COALESCE_BYTES, pairwise.SMALL_PIECE_BYTES = EXCHANGES[exchange]
+
+
+def _reduce_scatter_segments(exchange: str) -> dict:
+    _set_sizes(exchange)
     shard = comm.Group.from_process_group()
     size, rank = shard.size, shard.rank
     layouts = [ShardLayout(torch.Size(s), size, rank) for s in SHAPES]
@@ -74,9 +86,9 @@ def _reduce_scatter_segments(coalesce_bytes: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("coalesce_bytes", [1 << 20, 0], ids=["coalesced", "per-piece"])
-def test_reduce_scatter_segments_equals_the_definition(group, coalesce_bytes):
-    for got in group.run(_reduce_scatter_segments, coalesce_bytes):
+@pytest.mark.parametrize("exchange", list(EXCHANGES))
+def test_reduce_scatter_segments_equals_the_definition(group, exchange):
+    for got in group.run(_reduce_scatter_segments, exchange):
         torch.testing.assert_close(got["out"], got["expected"], rtol=0, atol=0)
         torch.testing.assert_close(got["from_packed"], got["expected"], rtol=0, atol=0)
         assert got["stats"]["calls"] == 1
@@ -85,8 +97,8 @@ def test_reduce_scatter_segments_equals_the_definition(group, coalesce_bytes):
         assert got["stats"]["wire_bytes"] == got["real_bytes_of_peers"]
 
 
-def _all_gather_segments(coalesce_bytes: int) -> list[torch.Tensor]:
-    comm.COALESCE_BYTES = coalesce_bytes
+def _all_gather_segments(exchange: str) -> list[torch.Tensor]:
+    _set_sizes(exchange)
     shard = comm.Group.from_process_group()
     size, rank = shard.size, shard.rank
     layouts = [ShardLayout(torch.Size(s), size, rank) for s in SHAPES]
@@ -101,15 +113,15 @@ def _all_gather_segments(coalesce_bytes: int) -> list[torch.Tensor]:
     return [out, expected]
 
 
-@pytest.mark.parametrize("coalesce_bytes", [1 << 20, 0], ids=["coalesced", "per-piece"])
-def test_segmented_all_gather_lands_each_piece_in_place(group, coalesce_bytes):
-    for out, expected in group.run(_all_gather_segments, coalesce_bytes):
+@pytest.mark.parametrize("exchange", list(EXCHANGES))
+def test_segmented_all_gather_lands_each_piece_in_place(group, exchange):
+    for out, expected in group.run(_all_gather_segments, exchange):
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
-def _messages_per_peer(coalesce_bytes: int) -> dict:
+def _messages_per_peer(exchange: str) -> dict:
     """Point-to-point sends of one labelled segmented all-gather and reduce-scatter."""
-    comm.COALESCE_BYTES = coalesce_bytes
+    _set_sizes(exchange)
     shard = comm.Group.from_process_group()
     size, rank = shard.size, shard.rank
     layouts = [ShardLayout(torch.Size(s), size, rank) for s in SHAPES]
@@ -134,10 +146,14 @@ def test_small_segmented_exchanges_send_one_message_per_peer(group):
     into the same message: one message per peer, not one per piece -- the fixed cost of
     small units."""
     peers = group.world_size - 1
-    for got in group.run(_messages_per_peer, 1 << 20):
+    for got in group.run(_messages_per_peer, "coalesced"):
         assert got == {"gather": peers, "reduce": peers}
-    for got in group.run(_messages_per_peer, 0):  # per piece (what large buckets do)
-        assert got["gather"] == peers * (1 + len(SHAPES))
+    for got in group.run(_messages_per_peer, "per-piece"):  # what large buckets do
+        assert got["gather"] == peers * (1 + len(SHAPES))  # a header, then each piece
+    # ... except with their small pieces (biases, norms) in one message: header, 2 pieces, 1
+    for got in group.run(_messages_per_peer, "small-pieces-together"):
+        assert got["gather"] == peers * (1 + 2 + 1)
+        assert got["reduce"] <= peers * (1 + 2 + 1)  # a rank sends no empty chunk
 
 
 def _native_collectives() -> dict:
