@@ -157,10 +157,10 @@ each. Measured on this 2-core machine (2 gloo ranks): each extra message of a ro
 ~50 us, a 64 KiB copy ~13 us, and a packed piece is copied twice (in, then out)."""
 
 
-def _small_pieces(sizes: Sequence[int], element_size: int) -> list[int]:
+def _small_pieces(sizes: Sequence[int], element_size: int) -> frozenset[int]:
     """Indices of the pieces sent together (none unless there are at least two)."""
-    small = [j for j, n in enumerate(sizes) if 0 < n * element_size <= SMALL_PIECE_BYTES]
-    return small if len(small) > 1 else []
+    small = frozenset(j for j, n in enumerate(sizes) if 0 < n * element_size <= SMALL_PIECE_BYTES)
+    return small if len(small) > 1 else frozenset()
 
 
 def all_gather_pairwise(
@@ -177,7 +177,7 @@ def all_gather_pairwise(
     staging row and copied into place at `wait()`."""
     size, rank = group.size, group.rank
     flat_out = output.view(-1)
-    small = set(_small_pieces(pieces, flat_in.element_size()))
+    small = _small_pieces(pieces, flat_in.element_size())
     works, start, packed = [], 0, []  # packed: (our piece, its slots) of the small pieces
     for j, piece in enumerate(pieces):
         mine = flat_in[start : start + piece]
@@ -309,7 +309,7 @@ def reduce_scatter_pairwise(
     direct = size == 2
     # Received chunks of the peers in rank order (row r - (r > rank)); none on two ranks.
     received = None if direct else output.new_empty((size - 1, output.numel()))
-    small = set(_small_pieces([n for _, n, _ in pieces], output.element_size()))
+    small = _small_pieces([n for _, n, _ in pieces], output.element_size())
     works, wire, offset, plan = [], 0, 0, []
     packed_for: list[list[torch.Tensor]] = [[] for _ in range(size)]  # chunks for each peer
     packed_mine = 0  # elements of our chunks of the small pieces (what each peer sends us)
