@@ -21,7 +21,8 @@ shard would draw different values on each rank).
 Nothing may stay uninitialized: `torch.empty` memory differs per rank, so every tensor
 materialized here is first filled with a sentinel (NaN; the lowest value for integers) and
 must afterwards have been written by some `reset_parameters()` of the unit (its version
-counter moved, it was replaced, or its values changed). Otherwise a `ValueError` names each
+counter moved, its values changed, or the reset replaced it: assigned a new, non-meta tensor
+in its place, as litgpt's `self.cos, self.sin = self.rope_cache(...)` does). Otherwise a `ValueError` names each
 such parameter or buffer, its module, and the fix. (torch's FSDP leaves such memory as is.)
 A module with meta tensors and no `reset_parameters` is an error naming it.
 
@@ -30,15 +31,21 @@ that still has meta tensors (in the same order), and must materialize it (e.g.
 `module.to_empty(device=..., recurse=False)` and initialize); a parameter it replaces is
 re-registered in every module holding it when the unit is sharded.
 
-A root with an `_init_weights(module)` method (every Hugging Face `PreTrainedModel`) initializes
-the modules instead, as its own `post_init` does: it covers modules without
-`reset_parameters` (rotary embeddings' `inv_freq`, BERT's `position_ids`) and uses the model's
-own distributions. It is called children first, as transformers applies it, so a parent's
-override of a child's tensor (GPT-2's scaled `c_proj`) wins.
+Which initializer runs. Every module's own `reset_parameters()` runs, whatever the root is
+(litgpt's `GPT` has both a `reset_parameters()`, which rebuilds its RoPE `cos`/`sin` buffers,
+and an `_init_weights(module)` that knows only Linear and Embedding: the former is its init).
+The root's `_init_weights(module)` is used in two cases only:
+- the root is a Hugging Face `transformers.PreTrainedModel` (recognised without importing
+  transformers): after the unit's resets, `_init_weights` is applied to its modules children
+  first, as the model's own `post_init` does after construction -- it covers modules without
+  `reset_parameters` (rotary embeddings' `inv_freq`, BERT's `position_ids`), uses the model's
+  own distributions, and a parent's override of a child's tensor (GPT-2's scaled `c_proj`) wins;
+- any other root: only for a module that has meta tensors and no `reset_parameters()`.
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -94,6 +101,14 @@ def _unit_modules(unit_module: nn.Module, unit_ids: set[int]) -> list[nn.Module]
     return out
 
 
+def _is_hf_pretrained(root: nn.Module) -> bool:
+    """Whether `root` is a transformers `PreTrainedModel`. A model can only be one if
+    transformers' modeling_utils is already imported, so nothing is imported here."""
+    modeling_utils = sys.modules.get("transformers.modeling_utils")
+    base = getattr(modeling_utils, "PreTrainedModel", None)
+    return isinstance(base, type) and isinstance(root, base)
+
+
 def _has_meta(module: nn.Module) -> bool:
     tensors = (*module._parameters.values(), *module._buffers.values())
     return any(t is not None and t.is_meta for t in tensors)
@@ -116,6 +131,8 @@ def materialize_unit(
     # parameter for its first holder must not make a later holder look already initialized.
     to_reset = [m for m in _unit_modules(unit_module, unit_ids) if _has_meta(m)]
     model_init = getattr(root, "_init_weights", None)
+    model_init = model_init if callable(model_init) else None
+    hf_init = model_init if model_init is not None and _is_hf_pretrained(root) else None
     if param_init_fn is not None:
         for module in to_reset:
             if _has_meta(module):  # an earlier call may have materialized it (recurse=True)
@@ -123,7 +140,7 @@ def materialize_unit(
         _check_materialized(owned)
         return
     for module in to_reset:
-        if not callable(model_init) and not callable(getattr(module, "reset_parameters", None)):
+        if model_init is None and not callable(getattr(module, "reset_parameters", None)):
             raise TypeError(
                 f"Module {names.get(id(module)) or '<root>'!r} ({type(module).__name__}) has "
                 f"tensors on the meta device but no reset_parameters() to initialize them. "
@@ -165,12 +182,15 @@ def materialize_unit(
             swapped.append((module, name, p))
             module._parameters[name] = scratch[id(p)]
     try:
-        if callable(model_init):
-            for module in reversed(to_reset):  # children before their parents
-                model_init(module)
-        else:
-            for module in to_reset:
-                module.reset_parameters()
+        for module in to_reset:
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+            elif hf_init is None:
+                model_init(module)  # type: ignore[misc]  # no reset_parameters: the root's init
+        if hf_init is not None:
+            for module in reversed(to_reset):  # children before their parents, as post_init
+                hf_init(module)
     finally:
         for module, name, p in swapped:
             module._parameters[name] = p
@@ -195,13 +215,15 @@ def _check_initialized(
     missing = []
     for module, kind, name, t, version in fresh:
         table = module._parameters if kind == "parameter" else module._buffers
-        if table.get(name) is not t or t.numel() == 0:
-            continue  # replaced by the reset (a new tensor was assigned), or empty
-        if t._version != version or not _still_sentinel(t):
-            continue
+        now = table.get(name)
+        if now is not t and (now is None or not now.is_meta):
+            continue  # replaced by the reset (a new tensor was assigned), or removed
+        if now is t and (t.numel() == 0 or t._version != version or not _still_sentinel(t)):
+            continue  # written in place, or empty
         prefix = names.get(id(module)) or ""
         missing.append(
             f"{kind} {(prefix + '.' if prefix else '') + name!r} of {type(module).__name__}"
+            + (" (replaced by a meta tensor)" if now is not t else "")
         )
     if missing:
         raise ValueError(

@@ -1,0 +1,105 @@
+"""litgpt's own `pretrain.setup()` (litgpt 0.5.13), run with only its Fabric/FSDPStrategy names
+swapped: a script the tests in test_litgpt_pretrain.py launch.
+
+    python tests/distributed/litgpt_pretrain.py fullshard OUT_DIR [--no-compile]
+    python tests/distributed/litgpt_pretrain.py lightning OUT_DIR [--no-compile]
+
+`fullshard`: `litgpt.pretrain`'s `L.Fabric` and `FSDPStrategy` become fullshard's, so
+`setup()` builds `Fabric(strategy=FSDPStrategy(auto_wrap_policy={Block},
+state_dict_type="full", sharding_strategy="HYBRID_SHARD"))` -- litgpt's own arguments -- and
+`main()` runs as written: `fabric.init_module(empty_init=True)` (the meta device),
+`initialize_weights` (which skips the eager reset under an FSDPStrategy: the modules' own
+`reset_parameters()` run when `fabric.setup` materializes each unit), `torch.compile` before
+`fabric.setup`, `no_backward_sync`, `clip_gradients`, a full checkpoint at the end.
+
+`lightning`: the reference, the same `setup()` on Lightning's own Fabric with its DDP
+strategy (`L.Fabric` is given `strategy="ddp"` instead of the FSDPStrategy litgpt asks for,
+which Lightning does not run on CPU); `initialize_weights` then resets every module eagerly.
+
+Both: 2 CPU processes (Fabric.launch() re-runs this script), fp32, a tiny Llama-style
+config, synthetic tokens from a fixed generator, the global batch 8 = 2 ranks x micro-batch 2
+x 2 accumulated micro-batches, 4 optimizer steps, the CSV logger. `--no-compile` replaces
+`torch.compile` by the identity (only for runs that compare many steps cheaply).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+import lightning
+import litgpt.pretrain as pretrain
+from litgpt.args import EvalArgs, TrainArgs
+from litgpt.config import Config
+from litgpt.data import DataModule
+
+SEQ, VOCAB = 16, 64
+CONFIG = Config(name="tiny-llama-test", block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB,
+                n_layer=2, n_head=4, n_query_groups=2, n_embd=32, rotary_percentage=1.0,
+                parallel_residual=False, bias=False, norm_class_name="RMSNorm",
+                mlp_class_name="LLaMAMLP", intermediate_size=48)
+
+
+class SyntheticTokens(DataModule):
+    """Rows of SEQ + 1 tokens following a learnable pattern, the same in every process."""
+
+    def connect(self, tokenizer=None, batch_size: int = 1, max_seq_length: int | None = None,
+                **kwargs) -> None:
+        self.batch_size = batch_size
+        self.seq = max_seq_length
+
+    def _rows(self, n: int, seed: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        start = torch.randint(0, VOCAB, (n, 1), generator=g)
+        step = torch.randint(1, 4, (n, 1), generator=g)
+        return list((start + step * torch.arange(self.seq + 1)) % VOCAB)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self._rows(64, 0), batch_size=self.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self._rows(8, 1), batch_size=self.batch_size)
+
+
+def main() -> None:
+    which, out_dir = sys.argv[1], Path(sys.argv[2])
+    if which == "fullshard":
+        import fullshard
+
+        pretrain.L = types.SimpleNamespace(Fabric=fullshard.Fabric)
+        pretrain.FSDPStrategy = fullshard.FSDPStrategy
+    elif which == "lightning":
+        def ddp_fabric(**kwargs):
+            kwargs["strategy"] = "ddp"
+            return lightning.Fabric(accelerator="cpu", **kwargs)
+
+        pretrain.L = types.SimpleNamespace(Fabric=ddp_fabric)
+    else:
+        raise SystemExit(f"first argument: 'fullshard' or 'lightning', got {which!r}")
+    # litgpt writes its CLI's hyperparameters beside each checkpoint through jsonargparse,
+    # which then needs `requests` (not a dependency of litgpt's pretraining, nor installed
+    # here); the checkpoint itself is still written by fabric.save.
+    pretrain.save_hyperparameters = lambda function, checkpoint_dir: None
+    if "--no-compile" in sys.argv:
+        torch.compile = lambda model, *args, **kwargs: model
+    world, micro, accumulate, steps = 2, 2, 2, 4
+    pretrain.setup(
+        model_name="tiny-llama-test", model_config=CONFIG, out_dir=out_dir,
+        precision="32-true", data=SyntheticTokens(), devices=world, logger_name="csv",
+        train=TrainArgs(save_interval=None, log_interval=1,
+                        global_batch_size=world * micro * accumulate, micro_batch_size=micro,
+                        max_tokens=steps * accumulate * micro * SEQ * world, max_norm=1.0,
+                        min_lr=1e-4, lr_warmup_steps=1, tie_embeddings=False),
+        eval=EvalArgs(interval=1000, max_iters=2, final_validation=True),
+        optimizer={"class_path": "torch.optim.AdamW",
+                   "init_args": {"lr": 3e-3, "weight_decay": 0.01}},
+        seed=42,
+    )
+
+
+if __name__ == "__main__":
+    main()
