@@ -6,9 +6,14 @@
   `named_modules()` order, skipping nested units (see engine/materialize.py) -- through the
   three doors: `torch.device("meta")` + `fsdp()`, `FSDPStrategy.module_init_context(
   empty_init=True)` and `Fabric.init_module(empty_init=True)`;
+- every module's own `reset_parameters()` runs even when the root has an `_init_weights`
+  (litgpt's `GPT`: its reset *replaces* the RoPE buffers, its `_init_weights` knows only
+  Linear/Embedding and not its norms); a non-Hugging-Face root's `_init_weights` initializes
+  only the modules without `reset_parameters`;
 - a module with meta tensors and no `reset_parameters` is an error naming it; so is every
   parameter or buffer no `reset_parameters` sets (its memory would differ per rank), while
-  writes through `.data` or a fresh assignment count as set; an optimizer built on meta
+  writes through `.data` or a fresh assignment count as set (a fresh *meta* tensor does not);
+  an optimizer built on meta
   parameters before setup is an error that says what to do instead;
 - a weight tied across units (the root's embedding, a head inside a block unit) keeps the
   value its owning unit's reset gave it: the later unit's reset runs on a scratch tensor and
@@ -98,7 +103,8 @@ class MetaNet(nn.Module):
 
 def reset_in_materialization_order(model: nn.Module, unit_classes: tuple[type, ...]) -> None:
     """The reference: reset every module that has tensors of its own, units root first, each
-    unit's modules in named_modules order, nested units skipped (they come in their turn)."""
+    unit's modules in named_modules order, nested units skipped (they come in their turn); a
+    module without `reset_parameters` gets the root's `_init_weights(module)`."""
     units = [model] + [m for m in model.modules() if isinstance(m, unit_classes)]
     unit_ids = set(map(id, units))
 
@@ -113,7 +119,10 @@ def reset_in_materialization_order(model: nn.Module, unit_classes: tuple[type, .
         for unit in units:
             for m in walk(unit):
                 if any(t is not None for t in (*m._parameters.values(), *m._buffers.values())):
-                    m.reset_parameters()
+                    if hasattr(m, "reset_parameters"):
+                        m.reset_parameters()
+                    else:
+                        model._init_weights(m)
 
 
 def _compare(model: nn.Module, ref: nn.Module) -> int:
@@ -171,6 +180,94 @@ def test_meta_init_equals_the_cpu_model_reset_in_the_same_order(group, door) -> 
     counts = group.run(_meta_equals_cpu, door)
     # emb, head (2), 3 blocks x (norm 2, mix 4, gain 1, bn 2) params; bn buffers 3 x 3
     assert counts == [2 + 1 + 3 * 9 + 3 * 3] * group.world_size
+
+
+class Norm(nn.Module):
+    """Like litgpt's RMSNorm: a reset_parameters() the root's _init_weights does not know."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.uniform_(self.weight, 0.5, 1.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+class Scale(nn.Module):
+    """No reset_parameters: only the root's _init_weights initializes it."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.empty(dim))
+
+
+class LitBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = Norm(dim)
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(self.norm(x))
+
+
+class LitStyle(nn.Module):
+    """Shaped like litgpt's GPT: `reset_parameters()` *replaces* its rotary buffer (as
+    `self.cos, self.sin = self.rope_cache(...)` does), and `_init_weights` -- which litgpt
+    means for `gpt.apply(...)` -- knows Linear, Embedding and Scale, not Norm."""
+
+    def __init__(self, dim: int = 6, blocks: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(9, dim)
+        self.blocks = nn.ModuleList(LitBlock(dim) for _ in range(blocks))
+        self.norm = Norm(dim)
+        self.scale = Scale(dim)
+        self.register_buffer("cos", self.rope(), persistent=False)
+
+    def rope(self, device: torch.device | None = None) -> torch.Tensor:
+        return torch.cos(torch.outer(torch.arange(5.0, device=device),
+                                     torch.arange(1.0, 7.0, device=device)))
+
+    def reset_parameters(self) -> None:
+        self.cos = self.rope(device=self.cos.device)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        elif isinstance(module, Scale):
+            nn.init.normal_(module.gain, 1.0, 0.1)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx) * self.cos[: idx.shape[-1]]
+        for b in self.blocks:
+            x = b(x)
+        return self.norm(x) * self.scale.gain
+
+
+def _lit_style() -> int:
+    torch.manual_seed(5)
+    ref = LitStyle()
+    torch.manual_seed(11)
+    reset_in_materialization_order(ref, (LitBlock,))
+    fabric = Fabric(accelerator="cpu", devices=dist.get_world_size(),
+                    strategy=FSDPStrategy(auto_wrap_policy={LitBlock}))
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = LitStyle()
+    assert model.cos.is_meta
+    torch.manual_seed(11)
+    model = fabric.setup_module(model)
+    n = _compare(model, ref)
+    model(torch.randint(0, 9, (5,))).sum().backward()
+    return n
+
+
+def test_own_reset_parameters_run_under_a_root_with_init_weights(group) -> None:
+    # emb, norm, scale, 2 blocks x (norm, fc 2) parameters; the cos buffer
+    assert group.run(_lit_style) == [3 + 2 * 3 + 1] * group.world_size
 
 
 class _Tied(nn.Module):
@@ -275,6 +372,19 @@ class FullReset(HalfReset):
         self.table = torch.arange(4.0)
 
 
+class MetaReset(nn.Module):
+    """reset_parameters() swaps its buffer for another meta tensor: still not set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(3))
+        self.register_buffer("table", torch.arange(4.0))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+        self.table = torch.empty(4, device="meta")
+
+
 def _errors() -> dict:
     out = {}
     with torch.device("meta"):
@@ -289,6 +399,12 @@ def _errors() -> dict:
         fullshard.fsdp(model, device="cpu", auto_wrap_policy={HalfReset})
     except ValueError as e:
         out["uninitialized"] = str(e)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(3, 3), MetaReset())
+    try:
+        fullshard.fsdp(model, device="cpu", auto_wrap_policy={MetaReset})
+    except ValueError as e:
+        out["meta_replacement"] = str(e)
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(3, 3), FullReset())
     model = fullshard.fsdp(model, device="cpu", auto_wrap_policy={FullReset})
@@ -315,6 +431,9 @@ def test_errors_name_the_module_and_the_fix(group) -> None:
         assert "'1.weight'" not in msg and "not set by any reset_parameters()" in msg
         assert "differ on every rank" in msg and "Initialize them in" in msg
         assert out["full_reset"] == ([0.0, 1.0, 2.0, 3.0], False)
+        msg = out["meta_replacement"]
+        assert "buffer '1.table' of MetaReset (replaced by a meta tensor) was not set" in msg
+        assert "'1.weight'" not in msg
         msg = out["optimizer"]
         assert "meta-device parameters" in msg
         assert "fabric.setup_module(model)" in msg and "fabric.setup_optimizers" in msg
