@@ -20,11 +20,11 @@ shard would draw different values on each rank).
 
 Nothing may stay uninitialized: `torch.empty` memory differs per rank, so every tensor
 materialized here is first filled with a sentinel (NaN; the lowest value for integers) and
-must afterwards have been written by some `reset_parameters()` of the unit (its version
-counter moved, its values changed, or the reset replaced it: assigned a new, non-meta tensor
-in its place, as litgpt's `self.cos, self.sin = self.rope_cache(...)` does). Otherwise a `ValueError` names each
-such parameter or buffer, its module, and the fix. (torch's FSDP leaves such memory as is.)
-A module with meta tensors and no `reset_parameters` is an error naming it.
+must afterwards have been written by some initializer of the unit (its version counter
+moved, its values changed, or the reset replaced it: assigned a new, non-meta tensor in its
+place, as litgpt's `self.cos, self.sin = self.rope_cache(...)` does). Otherwise a `ValueError`
+names each such parameter or buffer, its module, and the fix. (torch's FSDP leaves such memory
+as is.) A module with meta tensors and no initializer (below) is an error naming it.
 
 With torch FSDP's `param_init_fn`, that function is called instead on each module of the unit
 that still has meta tensors (in the same order), and must materialize it (e.g.
@@ -33,7 +33,7 @@ re-registered in every module holding it when the unit is sharded.
 
 Which initializer runs. Every module's own `reset_parameters()` runs, whatever the root is
 (litgpt's `GPT` has both a `reset_parameters()`, which rebuilds its RoPE `cos`/`sin` buffers,
-and an `_init_weights(module)` that knows only Linear and Embedding: the former is its init).
+and an `_init_weights(module)` that knows only Linear and Embedding, for `gpt.apply()`).
 The root's `_init_weights(module)` is used in two cases only:
 - the root is a Hugging Face `transformers.PreTrainedModel` (recognised without importing
   transformers): after the unit's resets, `_init_weights` is applied to its modules children

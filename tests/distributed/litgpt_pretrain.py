@@ -35,14 +35,13 @@ import time
 import types
 from pathlib import Path
 
-import torch
-from torch.utils.data import DataLoader
-
 import lightning
 import litgpt.pretrain as pretrain
+import torch
 from litgpt.args import EvalArgs, TrainArgs
 from litgpt.config import Config
 from litgpt.data import DataModule
+from torch.utils.data import DataLoader
 
 SEQ, VOCAB = 16, 64
 CONFIG = Config(name="tiny-llama-test", block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB,
