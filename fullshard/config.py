@@ -118,6 +118,54 @@ def resolve_bucketing_strategy(bucketing: object) -> FSDPBucketingStrategy:
     raise ValueError(f"Unknown bucketing strategy {bucketing!r}. Valid strategies: {names}.")
 
 
+# -- checks of plain arguments, shared by the doors (fsdp(), FSDPStrategy, state dicts) ---------
+
+def check_bool(name: str, value: object, *, optional: bool = False) -> bool | None:
+    """`value` if it is a bool (or None, when `optional`), else a `TypeError` naming `name`:
+    a string such as "no" would otherwise count as True."""
+    if isinstance(value, bool) or (optional and value is None):
+        return value
+    accepted = "True, False or None" if optional else "True or False"
+    raise TypeError(f"{name} must be {accepted}, got {type(value).__name__} {value!r}")
+
+
+def check_ignored_states(name: str, value: object) -> tuple[object, ...] | None:
+    """torch FSDP's `ignored_states` / `ignored_modules`: None, one module or parameter, or an
+    iterable of them, as a tuple (the items' kinds are checked against the model later)."""
+    if value is None:
+        return None
+    if isinstance(value, nn.Module | torch.Tensor):
+        return (value,)
+    if isinstance(value, str | bytes) or not _iterable(value):
+        raise TypeError(
+            f"{name} must be None, an nn.Module or nn.Parameter, or an iterable of them; got "
+            f"{type(value).__name__} {value!r}"
+        )
+    return tuple(value)  # type: ignore[arg-type]
+
+
+def check_module_classes(name: str, value: object) -> tuple[type[nn.Module], ...]:
+    """One nn.Module subclass or an iterable of them (Lightning's `activation_checkpointing`)."""
+    classes = (value,) if isinstance(value, type) else value
+    if isinstance(classes, str | bytes) or not _iterable(classes):
+        classes = (value,)
+    bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
+    if bad:
+        raise TypeError(
+            f"{name} must be an nn.Module subclass or a list of them, got "
+            f"{type(value).__name__} {value!r}"
+        )
+    return tuple(classes)
+
+
+def _iterable(value: object) -> bool:
+    try:
+        iter(value)  # type: ignore[call-overload]
+    except TypeError:
+        return False
+    return True
+
+
 def _check_dtype(name: str, value: object) -> None:
     if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
         raise TypeError(
@@ -232,11 +280,12 @@ class CPUOffload:
             return cls(offload_params=value)
         if isinstance(value, CPUOffload):
             return value
-        if hasattr(value, "offload_params"):
-            return cls(offload_params=bool(value.offload_params))
+        if hasattr(value, "offload_params"):  # torch's, which does not check its field
+            return cls(offload_params=check_bool("cpu_offload.offload_params",
+                                                 value.offload_params))
         raise TypeError(
-            f"cpu_offload must be a bool, fullshard.CPUOffload or torch's CPUOffload; got "
-            f"{type(value).__name__}"
+            f"cpu_offload must be True, False, None, fullshard.CPUOffload or torch's "
+            f"CPUOffload; got {type(value).__name__} {value!r}"
         )
 
 

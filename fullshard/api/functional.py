@@ -19,6 +19,8 @@ from fullshard.config import (
     FSDPBucketingStrategy,
     FSDPType,
     MixedPrecision,
+    check_bool,
+    check_ignored_states,
     resolve_bucketing_strategy,
     resolve_sharding_strategy,
 )
@@ -26,6 +28,7 @@ from fullshard.distributed.mesh import build_mesh
 from fullshard.engine.ignored import resolve_ignored
 from fullshard.engine.module import is_wrapped
 from fullshard.engine.sharding import shard_module
+from fullshard.engine.wrap import normalize_policy
 
 
 def default_device() -> torch.device:
@@ -146,7 +149,10 @@ def fsdp(
             raise TypeError(f"{name} must be a bool, got {value!r}")
     if param_init_fn is not None and not callable(param_init_fn):
         raise TypeError(f"param_init_fn must be callable, got {param_init_fn!r}")
-    ignored = resolve_ignored(model, ignored_states)
+    check_bool("move_state_dict_to_cpu", move_state_dict_to_cpu, optional=True)
+    normalize_policy(auto_wrap_policy)  # a malformed policy fails before anything changes
+    normalize_policy(activation_checkpointing_policy, "activation_checkpointing_policy")
+    ignored = resolve_ignored(model, check_ignored_states("ignored_states", ignored_states))
     mp = MixedPrecision.coerce(mixed_precision)
     offload = CPUOffload.coerce(cpu_offload).offload_params
     resolved_device = default_device() if device is None else _as_device(device)
@@ -173,9 +179,34 @@ def fsdp(
 
 
 def _as_device(device: torch.device | str | int) -> torch.device:
-    if isinstance(device, int):
-        return torch.device("cuda", device)
+    """`device=` as a torch.device the shards can live on: the CPU, or a CUDA device this
+    process has (an int is a CUDA index, as in thunder). Anything else is a ValueError naming
+    what is accepted -- before it, torch would fail later with `AssertionError: Torch not
+    compiled with CUDA enabled` from deep inside the sharding."""
+    if isinstance(device, bool) or not isinstance(device, torch.device | str | int):
+        raise TypeError(
+            f"device must be a torch.device, a string ('cpu', 'cuda', 'cuda:1') or a CUDA "
+            f"index, got {type(device).__name__} {device!r}"
+        )
     try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as e:
+        resolved = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
         raise ValueError(f"Invalid device {device!r}: {e}") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device={device!r} asks for CUDA, but torch.cuda.is_available() is False in "
+                f"this process (a CPU-only torch, or no visible GPU). Pass device='cpu' (the "
+                f"gloo backend), or run where CUDA is available."
+            )
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device={device!r}: this process sees {torch.cuda.device_count()} CUDA "
+                f"device(s) (cuda:0..cuda:{torch.cuda.device_count() - 1})."
+            )
+    elif resolved.type != "cpu":
+        raise ValueError(
+            f"device={device!r}: fullshard keeps the shards on 'cpu' or a 'cuda' device, "
+            f"not {resolved.type!r}."
+        )
+    return resolved

@@ -12,6 +12,7 @@ again. Every rank ends with the same norm, so a non-finite norm raises on all of
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Sequence
 
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fullshard.config import check_bool
 from fullshard.distributed import comm
 from fullshard.engine.module import runtime_of
 
@@ -61,6 +63,28 @@ def global_grad_norm(
     return local if norm_type == 0 else local ** (1.0 / norm_type)
 
 
+def check_clip_arguments(max_norm: object, norm_type: object) -> tuple[float, float]:
+    """`max_norm` and `norm_type` as floats, or the error naming what is wrong: torch takes a
+    negative `max_norm` (it flips every gradient's sign) and a NaN one or a NaN `norm_type`
+    (every gradient becomes NaN) without a word. `max_norm=inf` (measure without clipping)
+    is fine."""
+    for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):
+        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+            raise TypeError(
+                f"{name} must be a real number, got {type(value).__name__} {value!r}"
+            )
+    if math.isnan(max_norm) or max_norm < 0:  # type: ignore[arg-type]
+        raise ValueError(
+            f"max_norm must be >= 0 (inf: measure the norm without clipping), got {max_norm!r}"
+        )
+    if math.isnan(norm_type) or norm_type < 0:  # type: ignore[arg-type]
+        raise ValueError(
+            f"norm_type must be a number >= 0 or inf (2.0: the Euclidean norm), got "
+            f"{norm_type!r}"
+        )
+    return float(max_norm), float(norm_type)  # type: ignore[arg-type]
+
+
 @torch.no_grad()
 def clip_grad_norm(
     grads: Sequence[torch.Tensor],
@@ -74,6 +98,8 @@ def clip_grad_norm(
 ) -> torch.Tensor:
     """Scale `grads` (and `unreduced`) in place so their global norm is at most `max_norm`;
     return the norm."""
+    max_norm, norm_type = check_clip_arguments(max_norm, norm_type)
+    check_bool("error_if_nonfinite", error_if_nonfinite)
     total = global_grad_norm(grads, norm_type, group, device, unreduced)
     grads = [*grads, *unreduced]
     if error_if_nonfinite and not torch.isfinite(total):
@@ -115,10 +141,9 @@ def clip_grad_norm_(
             f"fullshard.clip_grad_norm_ takes the wrapped model (the module fullshard.fsdp "
             f"returned), got {type(model).__name__}. Pass the model itself, not its parameters."
         )
-    if not isinstance(max_norm, numbers.Real) or isinstance(max_norm, bool):
-        raise TypeError(f"max_norm must be a real number, got {max_norm!r}")
-    if not isinstance(norm_type, numbers.Real) or isinstance(norm_type, bool) or norm_type < 0:
-        raise ValueError(f"norm_type must be a number >= 0 or inf, got {norm_type!r}")
+    max_norm, norm_type = check_clip_arguments(max_norm, norm_type)
+    check_bool("error_if_nonfinite", error_if_nonfinite)
+    check_bool("foreach", foreach, optional=True)
     runtime = runtime_of(model)  # a ValueError naming the fix when the model is not wrapped
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if grads:
@@ -128,8 +153,8 @@ def clip_grad_norm_(
         device = bucket.device if bucket is not None else torch.device("cpu")
     return clip_grad_norm(
         grads,
-        float(max_norm),
-        float(norm_type),
+        max_norm,
+        norm_type,
         runtime.mesh.shard,
         device,
         error_if_nonfinite=error_if_nonfinite,

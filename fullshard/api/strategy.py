@@ -147,7 +147,7 @@ class FSDPStrategy:
             activation_checkpointing, activation_checkpointing_policy
         )
         normalize_policy(auto_wrap_policy)  # TypeError early for a malformed policy
-        normalize_policy(activation_checkpointing_policy)
+        normalize_policy(activation_checkpointing_policy, "activation_checkpointing_policy")
         self.auto_wrap_policy = auto_wrap_policy
         self.activation_checkpointing_policy = activation_checkpointing_policy
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fullshard.config import resolve_bucketing_strategy
+from fullshard.config import check_ignored_states, check_module_classes, resolve_bucketing_strategy
 from fullshard.engine.wrap import mark_unit
 
 ENGINE_OPTIONS = (
@@ -166,11 +166,9 @@ def check_engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], TorchFS
             "FSDPStrategy got both ignored_modules and ignored_states; pass one of them "
             "(ignored_states takes modules or parameters), as torch FSDP requires."
         )
-    ignored = kwargs.get("ignored_states", kwargs.get("ignored_modules"))
+    which = "ignored_states" if kwargs.get("ignored_states") is not None else "ignored_modules"
+    ignored = check_ignored_states(f"FSDPStrategy({which}=...)", kwargs.get(which))
     if ignored is not None:
-        if isinstance(ignored, nn.Module | torch.Tensor):
-            ignored = [ignored]
-        ignored = tuple(ignored)
         kinds = {isinstance(x, nn.Parameter) for x in ignored}
         if len(kinds) > 1:
             raise ValueError(
@@ -253,15 +251,14 @@ def merge_checkpointing_arguments(
             "You cannot set both `activation_checkpointing` and "
             "`activation_checkpointing_policy`. Use the latter."
         )
+    classes = check_module_classes("FSDPStrategy(activation_checkpointing=...)",
+                                   activation_checkpointing)
     warnings.warn(
         "FSDPStrategy(activation_checkpointing=...) is deprecated; use "
         "activation_checkpointing_policy={...module classes...}.",
         DeprecationWarning,
         stacklevel=3,
     )
-    classes = activation_checkpointing
-    if isinstance(classes, type):
-        classes = [classes]
     return set(classes)
 
 

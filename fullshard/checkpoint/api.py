@@ -41,6 +41,7 @@ from torch import nn
 from fullshard.checkpoint import atomic, full, objects, safe_load, sharded
 from fullshard.checkpoint.errors import CheckpointError
 from fullshard.checkpoint.objects import Filter
+from fullshard.config import check_bool
 from fullshard.distributed import comm
 
 STATE_DICT_TYPES = ("sharded", "full")
@@ -232,6 +233,7 @@ def load_checkpoint(
     sharded checkpoint every rank then reads all of it). `strict=False` tolerates keys missing
     on either side and warns about them.
     """
+    check_bool("strict", strict)  # "no" would otherwise mean True
     weights_only = safe_load.resolve(weights_only)
     group = atomic.world()
     _guard(group, "load_checkpoint", timeout)

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from fullshard.config import check_bool
 from fullshard.distributed import comm
 from fullshard.engine.layout import ShardLayout
 from fullshard.engine.module import runtime_of
@@ -40,6 +41,8 @@ def full_state_dict(
     `move_state_dict_to_cpu`) moves each tensor to CPU as soon as it is gathered;
     `rank0_only` returns an empty dict on every rank but global rank 0.
     """
+    check_bool("cpu_offload", cpu_offload, optional=True)  # a string would count as True
+    check_bool("rank0_only", rank0_only)
     runtime = runtime_of(model)
     if cpu_offload is None:
         cpu_offload = runtime.move_state_dict_to_cpu
@@ -101,6 +104,7 @@ def load_full_state_dict(
     Returns `(missing_keys, unexpected_keys)`; with `strict=True` either being non-empty is a
     `ValueError` naming them. A shape mismatch is always a `ValueError` naming the key.
     """
+    check_bool("strict", strict)
     runtime = runtime_of(model)
     runtime.release_all()
     by_id = _params_by_id(model)

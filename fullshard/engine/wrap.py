@@ -7,7 +7,8 @@ A policy is one of
   `nn.ModuleList` / `nn.Sequential` holding >= 2 modules of one class that have parameters
   (e.g. `transformer.h.0..N`), outermost such containers only; else the root alone;
 - "root" (`ROOT_ONLY`) or an empty collection: the root is the only unit;
-- a set (or list/tuple) of module classes: every instance becomes a unit;
+- a set (or list/tuple) of module classes: every instance becomes a unit; one class alone
+  (`auto_wrap_policy=Block`) means `{Block}`;
 - torch's `ModuleWrapPolicy` (its module classes are used);
 - a callable `policy(module, recurse, nonwrapped_numel) -> bool` with torch FSDP1's meaning:
   called with `recurse=True` to ask whether to look inside `module`, and with `recurse=False`
@@ -37,14 +38,17 @@ ROOT_ONLY = "root"
 """`auto_wrap_policy="root"`: the whole model is one unit (the default picks blocks)."""
 
 
-def normalize_policy(policy: object) -> WrapPolicy | None:
-    """Turn any explicit policy spelling into a callable (None: root only).
+def normalize_policy(policy: object, name: str = "auto_wrap_policy") -> WrapPolicy | None:
+    """Turn any explicit policy spelling into a callable (None: root only); `name` is the
+    argument the errors name (`activation_checkpointing_policy` takes the same forms).
 
     `policy=None` (the default units) is resolved per model by `choose_units`; here it is
     only validated, like every other spelling.
     """
     if policy is None or _is_root_only(policy):
         return None
+    if isinstance(policy, type):  # a class is callable, but never a (module, recurse, n) policy
+        policy = {policy}
     classes = getattr(policy, "_module_classes", None)  # torch's ModuleWrapPolicy
     if classes is not None:
         policy = set(classes)
@@ -53,7 +57,8 @@ def normalize_policy(policy: object) -> WrapPolicy | None:
         bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
         if bad:
             raise TypeError(
-                f"A wrap policy given as a collection must hold nn.Module subclasses; got {bad!r}"
+                f"{name}: a wrap policy given as classes must hold nn.Module subclasses; got "
+                f"{bad!r}"
             )
 
         def by_class(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
@@ -63,7 +68,7 @@ def normalize_policy(policy: object) -> WrapPolicy | None:
     if callable(policy) and not isinstance(policy, nn.Module):
         return policy  # type: ignore[return-value]
     raise TypeError(
-        f"auto_wrap_policy must be None, a set of nn.Module classes, a ModuleWrapPolicy, a "
+        f"{name} must be None, a set of nn.Module classes, a ModuleWrapPolicy, a "
         f"callable (module, recurse, nonwrapped_numel) -> bool, or {ROOT_ONLY!r} (the root "
         f"as the only unit); got {type(policy).__name__} {policy!r}"
     )

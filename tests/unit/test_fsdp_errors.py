@@ -7,6 +7,8 @@ plain-process check (no process group at all) holds whatever order the tests run
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -177,3 +179,131 @@ def test_replacing_a_parameter_after_wrapping_is_caught(world1, replace):
     replace(model)
     with pytest.raises(RuntimeError, match=r"Parameter '.*' was replaced after fullshard.fsdp"):
         model(torch.randn(2, 4, dtype=next(model.parameters()).dtype))
+
+
+# -- bad calls (issue 25): each a ValueError/TypeError naming the argument ---------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1", 0, torch.device("cuda", 0)])
+def test_cuda_device_without_cuda_says_so(world1, device):
+    model = _model()
+    with pytest.raises(ValueError, match=rf"device={re.escape(repr(device))} asks for CUDA, "
+                       r"but torch\.cuda\.is_available\(\) is False.*Pass device='cpu'"):
+        fullshard.fsdp(model, device=device)
+    assert not isinstance(model, fullshard.FullyShardedModule)  # refused before converting
+
+
+@pytest.mark.parametrize(("device", "error", "message"), [
+    ("meta", ValueError, r"device='meta': fullshard keeps the shards on 'cpu' or a 'cuda'"),
+    (1.5, TypeError, r"device must be a torch\.device, a string .* got float 1\.5"),
+    (True, TypeError, r"device must be .* got bool True"),
+])
+def test_device_that_cannot_hold_shards(world1, device, error, message):
+    with pytest.raises(error, match=message):
+        fullshard.fsdp(_model(), device=device)
+
+
+@pytest.mark.parametrize("option", ["auto_wrap_policy", "activation_checkpointing_policy"])
+def test_a_bare_module_class_is_a_policy_of_that_class(world1, option):
+    # Lightning and torch take a set of classes; a class alone means the same set (it used to
+    # be called as a (module, recurse, nonwrapped_numel) policy and failed inside torch).
+    torch.manual_seed(0)
+    bare = fullshard.fsdp(_model(), device="cpu", **{option: nn.Linear})
+    torch.manual_seed(0)
+    as_set = fullshard.fsdp(_model(), device="cpu", **{option: {nn.Linear}})
+    runtime, ref = bare.fullshard_runtime, as_set.fullshard_runtime
+    assert [u.name for u in runtime.units] == [u.name for u in ref.units]
+    assert runtime.units_description == ref.units_description
+    x = torch.randn(2, 4)
+    bare(x).sum().backward()
+    as_set(x).sum().backward()
+    for p, q in zip(bare.parameters(), as_set.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    if option == "auto_wrap_policy":
+        assert runtime.units_description.startswith("root + 2 x Linear")
+
+
+@pytest.mark.parametrize(("option", "policy", "shown"), [
+    ("activation_checkpointing_policy", "x", r"str 'x'"),  # it named auto_wrap_policy
+    ("auto_wrap_policy", int, r"\[<class 'int'>\]"),  # a class: it was called as a policy
+    ("activation_checkpointing_policy", int, r"\[<class 'int'>\]"),
+])
+def test_a_bad_policy_names_its_own_argument(world1, option, policy, shown):
+    model = _model()
+    with pytest.raises(TypeError, match=rf"^{option}(:| must be).*{shown}") as info:
+        fullshard.fsdp(model, device="cpu", **{option: policy})
+    other = {"auto_wrap_policy": "activation_checkpointing_policy",
+             "activation_checkpointing_policy": "auto_wrap_policy"}[option]
+    assert other not in str(info.value)
+    assert not isinstance(model, fullshard.FullyShardedModule)
+    with pytest.raises(TypeError, match=rf"^{option}(:| must be)"):
+        fullshard.FSDPStrategy(**{option: policy})
+
+
+@pytest.mark.parametrize("value", [5, "blocks", 2.0])
+def test_ignored_states_must_be_modules_or_parameters(world1, value):
+    with pytest.raises(TypeError, match=r"^ignored_states must be None, an nn\.Module or "
+                       rf"nn\.Parameter, or an iterable of them; got {type(value).__name__}"):
+        fullshard.fsdp(_model(), device="cpu", ignored_states=value)
+    for name in ("ignored_states", "ignored_modules"):
+        with pytest.raises(TypeError, match=rf"FSDPStrategy\({name}=\.\.\.\) must be None"):
+            fullshard.FSDPStrategy(**{name: value})
+
+
+@pytest.mark.parametrize("value", [5, "Linear", [nn.Linear, 3]])
+def test_activation_checkpointing_classes(value):
+    with pytest.raises(TypeError, match=r"FSDPStrategy\(activation_checkpointing=\.\.\.\) must "
+                       r"be an nn\.Module subclass or a list of them, got"):
+        fullshard.FSDPStrategy(activation_checkpointing=value)
+
+
+def test_strings_are_not_taken_for_true(world1):
+    from torch.distributed.fsdp import CPUOffload as TorchCPUOffload
+
+    from fullshard.checkpoint.api import load_checkpoint
+
+    def refused(name, call):
+        with pytest.raises(TypeError,
+                           match=rf"{re.escape(name)} must be True(,| or) False.*got str 'no'"):
+            call()
+
+    refused("move_state_dict_to_cpu",
+            lambda: fullshard.fsdp(_model(), device="cpu", move_state_dict_to_cpu="no"))
+    refused("cpu_offload", lambda: fullshard.fsdp(_model(), device="cpu", cpu_offload="no"))
+    refused("cpu_offload.offload_params",  # torch's dataclass takes anything
+            lambda: fullshard.fsdp(_model(), device="cpu",
+                                   cpu_offload=TorchCPUOffload(offload_params="no")))
+    refused("cpu_offload", lambda: fullshard.FSDPStrategy(cpu_offload="no"))
+    model = fullshard.fsdp(_model(), device="cpu")
+    full = fullshard.full_state_dict(model)
+    refused("rank0_only", lambda: fullshard.full_state_dict(model, rank0_only="no"))
+    refused("cpu_offload", lambda: fullshard.full_state_dict(model, cpu_offload="no"))
+    refused("strict", lambda: fullshard.load_full_state_dict(model, full, strict="no"))
+    refused("strict", lambda: model.load_original_state_dict(full, strict="no"))
+    refused("strict", lambda: load_checkpoint("no-such-checkpoint", model, strict="no"))
+    model(torch.randn(2, 4)).sum().backward()
+    refused("error_if_nonfinite",
+            lambda: fullshard.clip_grad_norm_(model, 1.0, error_if_nonfinite="no"))
+    refused("foreach", lambda: fullshard.clip_grad_norm_(model, 1.0, foreach="no"))
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    ({"max_norm": -1.0}, ValueError, r"max_norm must be >= 0 \(inf: .*\), got -1\.0"),
+    ({"max_norm": float("nan")}, ValueError, r"max_norm must be >= 0 .*got nan"),
+    ({"max_norm": 1.0, "norm_type": float("nan")}, ValueError,
+     r"norm_type must be a number >= 0 or inf .*got nan"),
+    ({"max_norm": 1.0, "norm_type": "fro"}, TypeError,
+     r"norm_type must be a real number, got str 'fro'"),
+    ({"max_norm": "1"}, TypeError, r"max_norm must be a real number, got str '1'"),
+])
+def test_clip_grad_norm_refuses_what_would_flip_or_nan_the_gradients(world1, kwargs, error,
+                                                                     message):
+    model = fullshard.fsdp(_model(), device="cpu")
+    model(torch.randn(2, 4)).sum().backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(error, match=message):
+        fullshard.clip_grad_norm_(model, **kwargs)
+    assert all(torch.equal(g, p.grad) for g, p in zip(before, model.parameters()))
+    # max_norm=inf measures without clipping (torch's idiom): the unsharded norm, grads kept
+    norm = fullshard.clip_grad_norm_(model, float("inf"))
+    assert torch.allclose(norm, torch.linalg.vector_norm(torch.cat([g.flatten() for g in before])))
+    assert all(torch.equal(g, p.grad) for g, p in zip(before, model.parameters()))
