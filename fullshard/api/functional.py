@@ -71,8 +71,9 @@ def fsdp(
     """Shard `model` in place over the default process group and return it.
 
     Args:
-        device: where the shards live (default, as thunder: `cuda:LOCAL_RANK` when CUDA is
-            available, else CPU).
+        device: where the shards live: 'cpu' or a CUDA device this process has (an int is a
+            CUDA index); default, as thunder: `cuda:LOCAL_RANK` when CUDA is available, else
+            CPU.
         broadcast_from: a global rank whose parameter and buffer values become everyone's;
             each rank receives only its own shard (one scatter per bucket).
         sharding_strategy: `FSDPType.ZERO3` / `ZERO2`, or a `ShardingStrategy` (also torch's)
@@ -83,7 +84,7 @@ def fsdp(
             `model.original_state_dict()` (None: False, thunder's default).
         auto_wrap_policy: which modules become units (see `fullshard.engine.wrap`); default:
             the classes in `_no_split_modules` (Hugging Face), else the repeated blocks;
-            "root" for the whole model as one unit.
+            "root" for the whole model as one unit; one class alone means `{that class}`.
         mixed_precision: `MixedPrecision` (or torch's): gather in `param_dtype`, reduce in
             `reduce_dtype`; shards, `.grad` and the optimizer stay in the parameters' dtype.
         cpu_offload: True / `CPUOffload(offload_params=True)`: shards, gradients and optimizer
