@@ -73,15 +73,22 @@ class SyntheticTokens(DataModule):
 
 def run(which: str, out_dir: Path) -> None:
     original_fabric, original_strategy = pretrain.L, pretrain.FSDPStrategy
+
+    def recorded(fabric):  # which strategy setup() really built, for the test to check
+        out_dir.mkdir(parents=True, exist_ok=True)
+        strategy = type(fabric.strategy)
+        (out_dir / "strategy.txt").write_text(f"{strategy.__module__}.{strategy.__name__}\n")
+        return fabric
+
     if which == "fullshard":
         import fullshard
 
-        pretrain.L = types.SimpleNamespace(Fabric=fullshard.Fabric)
+        pretrain.L = types.SimpleNamespace(Fabric=lambda **kw: recorded(fullshard.Fabric(**kw)))
         pretrain.FSDPStrategy = fullshard.FSDPStrategy
     elif which == "lightning":
         def ddp_fabric(**kwargs):
             kwargs["strategy"] = "ddp"
-            return lightning.Fabric(accelerator="cpu", **kwargs)
+            return recorded(lightning.Fabric(accelerator="cpu", **kwargs))
 
         pretrain.L = types.SimpleNamespace(Fabric=ddp_fabric)
     else:

@@ -104,6 +104,10 @@ def test_litgpt_pretrain_logs_the_losses_of_lightning_ddp(litgpt_runs: Path) -> 
             "loss": {r["iter"]: r["loss"] for r in rows if r.get("loss") is not None},
             "val_loss": [r["val_loss"] for r in rows if r.get("val_loss") is not None],
         }
+    assert (litgpt_runs / "fullshard" / "strategy.txt").read_text().split() == [
+        "fullshard.api.strategy.FSDPStrategy"]  # litgpt built ours, through its own names
+    assert (litgpt_runs / "lightning" / "strategy.txt").read_text().split() == [
+        "lightning.fabric.strategies.ddp.DDPStrategy"]
     ours, ref = logged["fullshard"], logged["lightning"]
     # 4 optimizer steps of 2 accumulated micro-batches, logged every step; a final validation
     assert sorted(ref["loss"]) == sorted(ours["loss"]) == [2, 4, 6, 8]
