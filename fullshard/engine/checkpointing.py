@@ -6,7 +6,7 @@ recomputation only the hooks of modules *called* inside the region fire: a unit 
 region (or lies inside it) gathers itself as usual, but the units *enclosing* the region ran
 their hooks in the forward pass only, and the region would find their shards (a LayerNorm of
 a block owned by the root: "weight of shape [24]"). So whoever starts a recomputation
-*gathers and installs* the enclosing units it reads (`_enclosing_units`: every unit, nested
+*gathers and installs* the enclosing units it reads (`entry.enclosing_units`: every unit, nested
 units excepted, that owns a parameter used in the region's subtree) for the length of the
 recomputation (`Runtime.gather_for_recompute`; under ZeRO-3 a real gather, the forward's
 copy was released). Two kinds of region:
@@ -20,7 +20,8 @@ copy was released). Two kinds of region:
   reentrant or not, and it may be switched on before or after wrapping. Every such layer
   that is not a unit gets a forward pre-hook and post-hook that act only inside backward,
   i.e. during its recomputation: install the enclosing units, uninstall them after. Outside
-  backward they return at once (one call each per layer and forward).
+  backward they return at once (one call each per layer and forward; traced as no-ops
+  under torch.compile).
 
 How the recomputed graph's gradients reach the reductions (it is never differentiated under
 non-reentrant checkpointing and is the only route under reentrant checkpointing) is the
@@ -36,6 +37,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from fullshard.engine.entry import enclosing_units
 from fullshard.engine.wrap import normalize_policy
 
 if TYPE_CHECKING:
@@ -71,26 +73,10 @@ def _checkpointed_modules(
     return [m for m in model.modules() if id(m) in picked]
 
 
-def _enclosing_units(module: nn.Module, runtime: Runtime, *, called: bool) -> list[Unit]:
-    """The units a recomputation of `module` must install itself: those owning a parameter
-    used in its subtree, except units strictly inside it (their hooks fire during the
-    recomputation). `called`: the recomputation goes through `module.__call__` (Hugging
-    Face), so if `module` is a unit its own hooks fire too; fullshard's wrapper calls the
-    original `forward` directly, and installs `module`'s own unit as well."""
-    inside = {id(m) for m in module.modules()}
-    nested = {id(u.module) for u in runtime.units if called or u.module is not module} & inside
-    return [
-        unit
-        for unit in runtime.units
-        if id(unit.module) not in nested
-        and any(id(holder) in inside for p in unit.params for holder, _ in p.refs)
-    ]
-
-
 def apply_activation_checkpointing(model: nn.Module, policy: object, runtime: Runtime) -> None:
     numel_of = {id(p.param): p.layout.numel for u in runtime.units for p in u.params}
     for module in _checkpointed_modules(model, policy, numel_of):
-        needed = _enclosing_units(module, runtime, called=False)
+        needed = enclosing_units(module, runtime, called=False)
         original = module.forward
         module.forward = functools.partial(_checkpointed_forward, original, runtime, needed)
     hook_model_checkpointing(model, runtime)
@@ -109,21 +95,20 @@ def hook_model_checkpointing(model: nn.Module, runtime: Runtime) -> None:
     for module in model.modules():
         if id(module) in units or not _is_hf_checkpointing_layer(module):
             continue
-        needed = _enclosing_units(module, runtime, called=True)
+        needed = enclosing_units(module, runtime, called=True)
         if not needed:
             continue
-        # Under torch.compile the hooks run eagerly, as the unit hooks do (sharding.py).
-        module.register_forward_pre_hook(
-            torch.compiler.disable(functools.partial(_install_for_recompute, runtime, needed))
-        )
+        module.register_forward_pre_hook(functools.partial(_install_for_recompute, runtime, needed))
         module.register_forward_hook(
-            torch.compiler.disable(functools.partial(_uninstall_after_recompute, needed)),
-            always_call=True,
+            functools.partial(_uninstall_after_recompute, needed), always_call=True
         )
 
 
 def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
+    """Inside an eager backward. Traced as False under torch.compile (no graph break in a
+    compiled forward that calls a hooked layer; a compiled region's recomputation is
+    compiled code that reads its saved inputs, not the module's attributes)."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 def _install_for_recompute(runtime: Runtime, needed: list[Unit], *_: Any) -> None:
@@ -145,7 +130,7 @@ def _checkpointed_forward(
 
 
 def _run(original: Any, runtime: Runtime, needed: list[Unit], *args: Any, **kwargs: Any) -> Any:
-    if not _in_backward():
+    if torch._C._current_graph_task_id() == -1:
         return original(*args, **kwargs)
     # Recomputation inside backward: the hooks of the enclosing units are not running.
     _install_for_recompute(runtime, needed)

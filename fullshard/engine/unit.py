@@ -175,6 +175,15 @@ class Unit:
         return all(b.is_gathered for b in self.buckets)
 
     @property
+    def is_installed(self) -> bool:
+        """The unsharded tensors are in place in the modules (between the unit's forward
+        hooks, or for a recomputation). True for a unit without parameters."""
+        if not self.params:
+            return True
+        module, name = self.params[0].refs[0]
+        return name in module.__dict__
+
+    @property
     def in_flight(self) -> bool:
         """Gathered, or its gather issued (True for a unit without parameters)."""
         return all(b.in_flight for b in self.buckets)
