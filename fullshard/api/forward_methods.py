@@ -87,6 +87,9 @@ def mark_forward_method(model: nn.Module, method: str | Callable[..., Any]) -> N
     if name == "forward":
         raise ValueError("forward already runs as the forward; mark other methods only.")
     original = getattr(type(model), name, None)
+    own = model.__dict__.get(name)  # an instance-level method (generation.sync_generation)
+    if isinstance(own, types.MethodType) and own.__self__ is model:
+        original = own.__func__
     if not callable(original):
         raise AttributeError(
             f"mark_forward_method({name!r}): {type(model).__name__} has no method {name!r}."

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fullshard.api.compiled import unwrap_compiled
+from fullshard.api.generation import sync_generation
 from fullshard.config import (
     CPUOffload,
     FSDPBucketingStrategy,
@@ -25,6 +26,7 @@ from fullshard.config import (
     resolve_sharding_strategy,
 )
 from fullshard.distributed.mesh import build_mesh
+from fullshard.engine.entry import hook_entry_points
 from fullshard.engine.ignored import resolve_ignored
 from fullshard.engine.module import is_wrapped
 from fullshard.engine.sharding import shard_module
@@ -176,6 +178,10 @@ def fsdp(
         param_init_fn=param_init_fn,
     )
     runtime.move_state_dict_to_cpu = bool(move_state_dict_to_cpu)  # None: False (thunder)
+    # Hugging Face: `get_encoder()(...)` and the other entry points gather what they read
+    # outside the root's forward; `generate()` keeps the ranks in step (synced_gpus).
+    hook_entry_points(model, runtime)
+    sync_generation(model, mesh.world.size)
     return recompile(model)
 
 

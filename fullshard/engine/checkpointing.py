@@ -1,21 +1,31 @@
-"""Activation checkpointing that composes with sharding.
+"""Activation checkpointing that composes with sharding: fullshard's own, and the model's.
 
-The chosen modules run their forward under non-reentrant `torch.utils.checkpoint`: autograd
-keeps only their inputs and recomputes the forward inside backward. Two things make that
-compose with the engine:
+A checkpointed region runs its forward twice: once in the forward pass, once again inside
+backward (the recomputation). The unit hooks live in `module.__call__`, so during the
+recomputation only the hooks of modules *called* inside the region fire: a unit that is the
+region (or lies inside it) gathers itself as usual, but the units *enclosing* the region ran
+their hooks in the forward pass only, and the region would find their shards (a LayerNorm of
+a block owned by the root: "weight of shape [24]"). So whoever starts a recomputation
+*gathers and installs* the enclosing units it reads (`entry.enclosing_units`: every unit, nested
+units excepted, that owns a parameter used in the region's subtree) for the length of the
+recomputation (`Runtime.gather_for_recompute`; under ZeRO-3 a real gather, the forward's
+copy was released). Two kinds of region:
 
-- the unit hooks live in `module.__call__`, outside the checkpointed `forward`, so the
-  recomputation (which calls `forward` directly) would find the shards, not the unsharded
-  tensors. The checkpointed function therefore *gathers and installs* itself when it runs
-  inside backward: every unit that owns a parameter used in the module's subtree (units
-  nested inside it have their own hooks, which fire during recomputation as usual). It
-  installs plain views, without `GatheredParams`: recomputed tensors only feed the saved
-  slots of the original graph, whose gradients already route through the original node.
-- ZeRO-3 must gather again for the recomputation rather than reuse freed memory: the gather
-  above is a real gather into a new buffer whenever the unit was released.
+- fullshard's own (`activation_checkpointing_policy`): the chosen modules' `forward` is
+  replaced by an instance attribute that runs it under non-reentrant `torch.utils.checkpoint`
+  and, inside backward, installs the enclosing units around it. Names, `state_dict` keys and
+  hooks are unchanged (no wrapper module, no `_checkpoint_wrapped_module` prefix).
+- the model's own: Hugging Face's `gradient_checkpointing_enable()` makes each
+  `GradientCheckpointingLayer` call `checkpoint(nn.Module.__call__ of the layer, ...)`,
+  reentrant or not, and it may be switched on before or after wrapping. Every such layer
+  that is not a unit gets a forward pre-hook and post-hook that act only inside backward,
+  i.e. during its recomputation: install the enclosing units, uninstall them after. Outside
+  backward they return at once (one call each per layer and forward; traced as no-ops
+  under torch.compile).
 
-The wrapper replaces `module.forward` with an instance attribute, so names, `state_dict` keys
-and hooks are unchanged (no wrapper module, no `_checkpoint_wrapped_module` prefix).
+How the recomputed graph's gradients reach the reductions (it is never differentiated under
+non-reentrant checkpointing and is the only route under reentrant checkpointing) is the
+unit's business: see unit.py, [Note: recomputed forwards].
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from fullshard.engine.entry import enclosing_units
 from fullshard.engine.wrap import normalize_policy
 
 if TYPE_CHECKING:
@@ -65,16 +76,51 @@ def _checkpointed_modules(
 def apply_activation_checkpointing(model: nn.Module, policy: object, runtime: Runtime) -> None:
     numel_of = {id(p.param): p.layout.numel for u in runtime.units for p in u.params}
     for module in _checkpointed_modules(model, policy, numel_of):
-        inside = {id(m) for m in module.modules()}
-        nested_units = {id(u.module) for u in runtime.units if u.module is not module} & inside
-        needed: list[Unit] = []
-        for unit in runtime.units:
-            if id(unit.module) in nested_units:
-                continue
-            if any(id(holder) in inside for p in unit.params for holder, _ in p.refs):
-                needed.append(unit)
+        needed = enclosing_units(module, runtime, called=False)
         original = module.forward
         module.forward = functools.partial(_checkpointed_forward, original, runtime, needed)
+    hook_model_checkpointing(model, runtime)
+
+
+def _is_hf_checkpointing_layer(module: nn.Module) -> bool:
+    """A Hugging Face `GradientCheckpointingLayer` (by name: transformers is not imported)."""
+    return any(c.__name__ == "GradientCheckpointingLayer" for c in type(module).__mro__)
+
+
+def hook_model_checkpointing(model: nn.Module, runtime: Runtime) -> None:
+    """Let the model's own checkpointed layers (Hugging Face) recompute outside their
+    enclosing units' hooks (see the module docstring). Layers without an enclosing unit to
+    install (a unit of their own holding all they use) get no hooks."""
+    units = {id(u.module) for u in runtime.units}
+    for module in model.modules():
+        if id(module) in units or not _is_hf_checkpointing_layer(module):
+            continue
+        needed = enclosing_units(module, runtime, called=True)
+        if not needed:
+            continue
+        module.register_forward_pre_hook(functools.partial(_install_for_recompute, runtime, needed))
+        module.register_forward_hook(
+            functools.partial(_uninstall_after_recompute, needed), always_call=True
+        )
+
+
+def _in_backward() -> bool:
+    """Inside an eager backward. Traced as False under torch.compile (no graph break in a
+    compiled forward that calls a hooked layer; a compiled region's recomputation is
+    compiled code that reads its saved inputs, not the module's attributes)."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
+def _install_for_recompute(runtime: Runtime, needed: list[Unit], *_: Any) -> None:
+    if _in_backward():
+        for unit in needed:
+            runtime.gather_for_recompute(unit)
+
+
+def _uninstall_after_recompute(needed: list[Unit], *_: Any) -> None:
+    if _in_backward():
+        for unit in needed:
+            unit.uninstall()
 
 
 def _checkpointed_forward(
@@ -87,10 +133,8 @@ def _run(original: Any, runtime: Runtime, needed: list[Unit], *args: Any, **kwar
     if torch._C._current_graph_task_id() == -1:
         return original(*args, **kwargs)
     # Recomputation inside backward: the hooks of the enclosing units are not running.
-    for unit in needed:
-        runtime.gather_for_recompute(unit)
+    _install_for_recompute(runtime, needed)
     try:
         return original(*args, **kwargs)
     finally:
-        for unit in needed:
-            unit.uninstall()
+        _uninstall_after_recompute(needed)

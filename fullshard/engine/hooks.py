@@ -62,8 +62,11 @@ handle every unit.
 [Note: recomputation]
 Activation checkpointing reruns unit forwards *inside* backward. There the pre-hook gathers as
 usual but records no order, prefetches nothing, pushes no saved-tensor hooks (checkpoint's own
-hooks must see the recomputed tensors) and does not release after forward: the unit is being
-used by backward and is released by its `GatheredParams.backward` as always.
+hooks must see the recomputed tensors), installs through an uncounted `RecomputedParams` node
+(unit.py, [Note: recomputed forwards]) and does not release after forward: the unit is being
+used by backward and is released by its `GatheredParams.backward` as always. A checkpointed
+region that is not itself a unit reads the parameters of the units enclosing it, whose hooks
+do not run again: checkpointing.py installs those (`gather_for_recompute`).
 """
 
 from __future__ import annotations
@@ -202,7 +205,10 @@ class Runtime:
             self._gather_ahead(unit, self.forward_order_prev, pos, self.prefetch_limit)
         self._wait(unit)
         with_grad = torch.is_grad_enabled()
-        unit.install(self, with_grad=with_grad, pass_id=self.pass_id)
+        if recomputing:
+            unit.install_recomputed(self)  # uncounted node (unit.py, recomputed forwards)
+        else:
+            unit.install(self, with_grad=with_grad, pass_id=self.pass_id)
         if unit is self.root and self._wants_saved_tensor_hooks(with_grad, recomputing):
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(
                 self._pack_hook, self._unpack_hook
@@ -238,16 +244,27 @@ class Runtime:
 
     def gather_for_recompute(self, unit: Unit) -> None:
         """Activation checkpointing: gather and install `unit` for a recomputation that runs
-        outside its hooks (see checkpointing.py)."""
+        outside its hooks -- an enclosing unit whose parameters the checkpointed region reads
+        (see checkpointing.py). Installed as for the unit's own recomputation: trainable
+        tensors require grad, so the recomputed ops save exactly what the original forward
+        saved (non-reentrant checkpoint checks), and a reentrant checkpoint's nested backward
+        hands their gradients to `recomputed_backward`. Released by the unit's own last node,
+        or at the end of backward."""
+        self._ensure_backward_callback()
+        self._drop_stale(unit)
         if not unit.is_gathered:
-            self._ensure_backward_callback()
             unit.start_gather(async_op=False)
-            self._wait(unit)
-        # Leaves that require grad, so the recomputed ops save exactly what the original
-        # forward saved (checkpoint checks); the recomputed graph itself is never run backward.
-        for bucket in unit.buckets:
-            for p, view in zip(bucket.params, bucket.unsharded_views()):
-                p.install(view.detach().requires_grad_(p.param.requires_grad))
+        self._wait(unit)
+        unit.install_recomputed(self)
+
+    def recomputed_backward(self, unit: Unit, grads: tuple[torch.Tensor | None, ...]) -> None:
+        """`RecomputedParams.backward` (reentrant checkpointing only): add the gradients the
+        recomputed graph produced for `unit` to the unit's sum of the pass. They are reduced
+        with the unit's last counted node, or by the end-of-backward flush when none is left
+        to run (the unit ran only inside reentrant checkpoints, whose first forward records
+        no node, or its node ran already)."""
+        self._ensure_backward_callback()
+        unit.add_partial_grads(grads)
 
     def post_forward(self, unit: Unit, module: torch.nn.Module, args: Any, output: Any) -> None:
         if unit is self.root and self._saved_hooks is not None:

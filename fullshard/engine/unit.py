@@ -25,6 +25,23 @@ require grad, one `BackwardDone` on its inputs (so a frozen unit that ZeRO-3 re-
 backward is released as soon as gradients have flowed through it). `node_done` counts them;
 the gradients of a unit called several times are summed until the last node and reduced once.
 
+[Note: recomputed forwards]
+Activation checkpointing runs a unit's forward again inside backward. What the recomputed
+graph is for depends on the checkpoint flavour, and the unit cannot tell them apart:
+- non-reentrant: the recomputed tensors only refill the saved slots of the *original* graph,
+  whose `GatheredParams` node routes the gradients; the recomputed graph is never run
+  backward. A `GatheredParams` created here would be counted and never run: the unit would
+  wait for it until the end of backward, held gathered, its reduction deferred (ZeRO-3
+  quietly turned into ZeRO-2 for the whole backward).
+- reentrant: the original forward ran under no_grad, so the original graph has no edge to
+  the parameters; the recomputed graph is differentiated in a nested backward and is the
+  only route for the gradients of every parameter used inside the checkpointed region --
+  the recomputed unit's and those of the enclosing units it reads.
+So a recomputation installs through `RecomputedParams`: not counted, and its backward (run
+only in the reentrant case) adds the gradients to the unit's sum of the pass
+(`add_partial_grads`), reduced with the unit's last counted node or, when no counted node is
+left to run, by the end-of-backward flush (`Runtime._flush_partial`).
+
 One node per unit, not per bucket: autograd runs ready nodes latest-created first, and all of
 a unit's nodes would be created together at its pre-forward, so a bucket's node could not run
 before the unit's backward is done anyway. (The root's node is created first of all and so
@@ -75,6 +92,27 @@ class GatheredParams(torch.autograd.Function):
         if shard_grads is None:
             shard_grads = [None] * len(grads)
         return (None, None, *shard_grads)
+
+
+class RecomputedParams(torch.autograd.Function):
+    """`GatheredParams` for a recomputation inside backward (activation checkpointing).
+
+    Its node is not counted among the unit's nodes of the pass (see [Note: recomputed
+    forwards] in the module docstring); its backward, which runs only when a reentrant
+    checkpoint differentiates the recomputed graph, adds the unit's gradients to the unit's
+    sum of the pass instead of reducing them."""
+
+    @staticmethod
+    def forward(ctx: Any, runtime: Runtime, unit: Unit, *shards: torch.Tensor) -> tuple:
+        ctx.runtime = runtime
+        ctx.unit = unit
+        ctx.set_materialize_grads(False)
+        return tuple(unit.trainable_views())
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        ctx.runtime.recomputed_backward(ctx.unit, grads)
+        return (None, None, *([None] * len(grads)))
 
 
 class BackwardDone(torch.autograd.Function):
@@ -135,6 +173,15 @@ class Unit:
     @property
     def is_gathered(self) -> bool:
         return all(b.is_gathered for b in self.buckets)
+
+    @property
+    def is_installed(self) -> bool:
+        """The unsharded tensors are in place in the modules (between the unit's forward
+        hooks, or for a recomputation). True for a unit without parameters."""
+        if not self.params:
+            return True
+        module, name = self.params[0].refs[0]
+        return name in module.__dict__
 
     @property
     def in_flight(self) -> bool:
@@ -252,6 +299,20 @@ class Unit:
             self.cached_views = views if with_grad else None
             self.cached_pass = pass_id
         for p, v in zip(self._install_order, views):
+            p.install(v)
+
+    def install_recomputed(self, runtime: Runtime) -> None:
+        """Install the gathered tensors for a recomputation inside backward: trainable ones
+        through `RecomputedParams` (uncounted, see the module docstring), frozen ones as
+        plain views. Never cached: the forward pass's cached views may be stale by now."""
+        if self.trainable_params and torch.is_grad_enabled():
+            shards = [p.param for p in self.trainable_params]
+            trainable = list(RecomputedParams.apply(runtime, self, *shards))
+        else:
+            trainable = [v.detach() for v in self.trainable_views()]
+        for p, v in self.frozen_pairs():
+            p.install(v)
+        for p, v in zip(self.trainable_params, trainable):
             p.install(v)
 
     def uninstall(self) -> None:

@@ -9,6 +9,13 @@ SGD steps match one process (fp32, rtol=1e-5, atol=1e-6). Also through `Fabric` 
 (`_no_split_modules`), and what HF users call on the model: `config`, `generate()`,
 `loss_function`, `save_pretrained()` of the full weights and `from_pretrained` of them.
 
+Hugging Face's `gradient_checkpointing_enable()` (reentrant and not, before or after wrapping)
+trains at parity for every strategy, also with units below the checkpointed layers, and under
+ZeRO-3 releases each layer after its own backward. `generate()` (GPT-2, Llama, T5; greedy and
+seeded sampling) returns the unwrapped model's tokens on every rank while rank 0 stops after
+2 tokens and the others run on; `get_encoder()` / `get_input_embeddings()` called directly see
+gathered weights.
+
 One group per world size runs everything (one `run` per world size).
 """
 
@@ -18,6 +25,7 @@ import copy
 import json
 import os
 import tempfile
+import traceback
 
 import pytest
 import torch
@@ -62,6 +70,14 @@ def _bert() -> torch.nn.Module:
         attention_probs_dropout_prob=0.0, pad_token_id=0,
     )
     return transformers.BertForMaskedLM(cfg)
+
+
+def _t5() -> torch.nn.Module:
+    cfg = transformers.T5Config(
+        vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_decoder_layers=2,
+        num_heads=2, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    )
+    return transformers.T5ForConditionalGeneration(cfg)
 
 
 MODELS = {"gpt2": (_gpt2, "GPT2Block"), "llama": (_llama, "LlamaDecoderLayer"),
@@ -167,9 +183,140 @@ def _fabric_empty_init() -> dict:
     return results
 
 
+# Units below the checkpointed layer: the layer's norms belong to the root, whose hooks do
+# not run during the recomputation (4f84aec: "weight of shape [8]" on 2 ranks).
+SUB_LAYER_UNITS = {"gpt2": ("GPT2Attention", "GPT2MLP"), "llama": ("LlamaAttention", "LlamaMLP")}
+
+
+def _classes(model: torch.nn.Module, names: tuple[str, ...]) -> set[type]:
+    return {type(m) for m in model.modules() if type(m).__name__ in names}
+
+
+def _gradient_checkpointing() -> dict:
+    """HF's `gradient_checkpointing_enable()`, reentrant and not, switched on before or after
+    wrapping: parity with one process for every strategy, with units below the checkpointed
+    layers (the layer reads the root's norms) and with the layers as units; and under ZeRO-3
+    each layer unit is released after its own backward (not held until backward ends)."""
+    world = dist.get_world_size()
+    results: dict[str, object] = {}
+    for name in SUB_LAYER_UNITS:
+        build = MODELS[name][0]
+        for i, strategy in enumerate(STRATEGIES):
+            for reentrant in (False, True):
+                kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": reentrant}}
+                torch.manual_seed(0)
+                ref = build()
+                ref.gradient_checkpointing_enable(**kwargs)
+                model = copy.deepcopy(ref) if i % 2 else build()
+                if not i % 2:
+                    model.load_state_dict(ref.state_dict())
+                units = _classes(model, SUB_LAYER_UNITS[name]) if strategy != "FULL_SHARD" else None
+                model = fullshard.fsdp(model, device="cpu", sharding_strategy=strategy,
+                                       bucketing_strategy=STRATEGIES[strategy],
+                                       auto_wrap_policy=units)
+                if not i % 2:  # switched on after wrapping
+                    model.gradient_checkpointing_enable(**kwargs)
+                assert model.is_gradient_checkpointing
+                key = f"{name}/{strategy}/{'reentrant' if reentrant else 'non-reentrant'}"
+                results[key] = train_and_compare(model, ref, _batches(name, world)[:2], _loss)
+        # sub-layer units under ZeRO-3 too (above, ZeRO-3 ran with the layers as units)
+        for reentrant in (False, True):
+            torch.manual_seed(0)
+            ref = build()
+            ref.gradient_checkpointing_enable({"use_reentrant": reentrant})
+            model = fullshard.fsdp(copy.deepcopy(ref), device="cpu", sharding_strategy="FULL_SHARD",
+                                   auto_wrap_policy=_classes(ref, SUB_LAYER_UNITS[name]))
+            results[f"{name}/FULL_SHARD/sub-layer units/{reentrant}"] = train_and_compare(
+                model, ref, _batches(name, world)[:2], _loss
+            )
+    results["zero3_release"] = _zero3_checkpointed_layers_release()
+    return results
+
+
+def _zero3_checkpointed_layers_release() -> dict:
+    """ZeRO-3, 4 GPT-2 blocks as units, non-reentrant HF checkpointing: during backward at
+    most the root and two blocks (the running one and one prefetched) are gathered. At
+    4f84aec the recomputation counted a second node per block that never ran, so every block
+    stayed gathered (and unreduced) until backward ended."""
+    cfg = transformers.GPT2Config(n_layer=4, n_embd=16, n_head=2, vocab_size=VOCAB,
+                                  n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    model.gradient_checkpointing_enable()
+    model = fullshard.fsdp(model, device="cpu", sharding_strategy="FULL_SHARD",
+                           bucketing_strategy="BLOCK")
+    root, *blocks = model.fullshard_runtime.units
+    assert len(blocks) == 4
+    s = model.fullshard_runtime.mesh.shard.size
+    nbytes = [s * sum(b.numel for b in u.buckets) * 4 for u in (root, *blocks)]
+    ids = torch.randint(1, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
+    loss = model(input_ids=ids, labels=ids).loss
+    fullshard.reset_memory_stats()
+    loss.backward()
+    peak = fullshard.memory_stats()["peak_unsharded_param_bytes"]
+    bound = nbytes[0] + 2 * max(nbytes[1:])
+    assert peak <= bound, f"peak unsharded params in backward {peak} > root + 2 blocks {bound}"
+    assert fullshard.memory_stats()["unsharded_param_bytes"] == 0
+    return {"peak": peak, "bound": bound}
+
+
+GENERATION = {"gpt2": ("FULL_SHARD", _gpt2), "llama": ("HYBRID_SHARD", _llama),
+              "t5": ("FULL_SHARD", _t5)}
+
+
+def _generation() -> dict:
+    """`generate()` through `fsdp()` (no `mark_forward_method`) returns, on every rank, the
+    unwrapped model's tokens for that rank's own prompt, greedy and sampling (the same seed
+    on both sides), while rank 0 stops after at most 2 new tokens (its `eos_token_id` is its
+    own 2nd token) and the other ranks run to `max_new_tokens`. The root-owned entry points
+    (`get_encoder()`, `get_input_embeddings()`) called directly see gathered weights."""
+    rank = dist.get_rank()
+    out: dict[str, object] = {}
+    for name, (strategy, build) in GENERATION.items():
+        torch.manual_seed(0)
+        ref = build().eval()
+        model = fullshard.fsdp(copy.deepcopy(ref), device="cpu", sharding_strategy=strategy)
+        ids = torch.randint(2, VOCAB, (1, 5), generator=torch.Generator().manual_seed(10 + rank))
+        with torch.no_grad():
+            assert torch.equal(model.get_input_embeddings()(ids), ref.get_input_embeddings()(ids))
+            if name == "t5":  # the encoder's embedding and final norm belong to the root
+                mine = model.get_encoder()(input_ids=ids).last_hidden_state
+                theirs = ref.get_encoder()(input_ids=ids).last_hidden_state
+                assert torch.allclose(mine, theirs, rtol=1e-5, atol=1e-6), name
+        first = 1 if name == "t5" else ids.shape[1]  # where the generated tokens start
+        for sample in (False, True):
+            kwargs = {"max_new_tokens": 8, "do_sample": sample, "pad_token_id": 0,
+                      "attention_mask": torch.ones_like(ids)}
+            torch.manual_seed(100 + rank)
+            full = ref.generate(ids, **kwargs)
+            kwargs["eos_token_id"] = int(full[0, first + 1]) if rank == 0 else VOCAB + 1
+            torch.manual_seed(100 + rank)
+            expected = ref.generate(ids, **kwargs)
+            torch.manual_seed(100 + rank)
+            got = model.generate(ids, **kwargs)
+            assert torch.equal(got, expected), (name, sample, got, expected)
+            out[f"{name}/{'sample' if sample else 'greedy'}"] = got.shape[1] - first
+    return out
+
+
 def _everything() -> dict:
-    return {"parity": _parity_all_strategies(), "surface": _hf_surface(),
-            "fabric": _fabric_empty_init()}
+    """Every section; one that raises is reported by its own test (as its traceback), the
+    others still run. Generation goes last: where it fails, ranks may leave it out of step."""
+    out: dict[str, object] = {}
+    for key, section in (("parity", _parity_all_strategies), ("surface", _hf_surface),
+                         ("fabric", _fabric_empty_init), ("checkpointing", _gradient_checkpointing),
+                         ("generation", _generation)):
+        try:
+            out[key] = section()
+        except Exception:  # noqa: BLE001 - reported by the section's test
+            out[key] = traceback.format_exc()
+    return out
+
+
+def _section(results: list[dict], key: str) -> list[dict]:
+    for rank, r in enumerate(results):
+        assert isinstance(r[key], dict), f"rank {rank}, {key}:\n{r[key]}"
+    return [r[key] for r in results]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
@@ -181,20 +328,39 @@ def results(request) -> list[dict]:
 def test_parity_every_strategy(results: list[dict]) -> None:
     for name in MODELS:
         for strategy in STRATEGIES:
-            worst = results[0]["parity"][f"{name}/{strategy}"]
+            worst = _section(results, "parity")[0][f"{name}/{strategy}"]
             assert worst["loss"] <= 1e-5, (name, strategy, worst)
 
 
 def test_default_units_are_no_split_modules(results: list[dict]) -> None:
     assert "units: root + 2 x GPT2Block (default: _no_split_modules)" in (
-        results[0]["parity"]["gpt2/units"]
+        _section(results, "parity")[0]["gpt2/units"]
     )
     assert "root + 1 x BertEmbeddings + 2 x BertLayer" in results[0]["parity"]["bert/units"]
 
 
 def test_hf_surface(results: list[dict]) -> None:
-    assert results[0]["surface"]["architectures"] == ["GPT2LMHeadModel"]
+    assert _section(results, "surface")[0]["architectures"] == ["GPT2LMHeadModel"]
 
 
 def test_fabric_empty_init(results: list[dict]) -> None:
-    assert set(results[0]["fabric"]) == set(MODELS)
+    assert set(_section(results, "fabric")[0]) == set(MODELS)
+
+
+def test_gradient_checkpointing_every_strategy(results: list[dict]) -> None:
+    done = _section(results, "checkpointing")[0]
+    for name in SUB_LAYER_UNITS:
+        for strategy in STRATEGIES:
+            for flavour in ("reentrant", "non-reentrant"):
+                assert done[f"{name}/{strategy}/{flavour}"]["loss"] <= 1e-5
+        assert {f"{name}/FULL_SHARD/sub-layer units/{r}" for r in (False, True)} <= set(done)
+    assert done["zero3_release"]["peak"] <= done["zero3_release"]["bound"]
+
+
+def test_generate_ranks_stop_at_different_lengths(results: list[dict]) -> None:
+    lengths = _section(results, "generation")
+    for name in GENERATION:
+        for mode in ("greedy", "sample"):
+            key = f"{name}/{mode}"
+            assert lengths[0][key] <= 2, key  # rank 0 stopped early
+            assert all(r[key] == 8 for r in lengths[1:]), key  # the others ran on
