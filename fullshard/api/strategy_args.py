@@ -1,5 +1,6 @@
 """Parsing and checking `FSDPStrategy`'s arguments: engine keywords, the deprecated
-`activation_checkpointing`, the timeout, and the reduce ops of the user collectives.
+`activation_checkpointing`, the timeout, the reduce ops of the user collectives, the
+gradient-clipping arguments, and the torch FSDP objects Lightning's attributes report.
 
 Also torch FSDP's own keywords (see [Note: torch FSDP's keywords]): each is translated to
 the engine's option with the same meaning, checked at setup, or warned about once when it
@@ -9,6 +10,8 @@ can have no effect here. Every rejection says what was found and what to pass in
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -301,3 +304,101 @@ def mark_wrapped_unit(module: nn.Module, **overrides: Any) -> nn.Module:
             f"every unit uses the FSDPStrategy's options; the module still becomes a unit.",
         )
     return mark_unit(module)
+
+
+# -- torch's own types for Lightning's attributes ----------------------------------------------
+# Lightning's `strategy.sharding_strategy`, `.cpu_offload` and `.mixed_precision_config` are
+# torch FSDP's enum and dataclasses; scripts compare them with torch's objects or read
+# `.name`. The engine keeps its own types; these build the torch objects users see. A torch
+# built without distributed support has no `torch.distributed.fsdp`: fullshard's own types
+# stand in then (they carry the same fields and names).
+_TORCH_SHARDING_NAMES = {"ZERO3": "FULL_SHARD", "ZERO2": "SHARD_GRAD_OP"}
+
+
+def torch_sharding_strategy(plan_name: str) -> Any:
+    """torch's `ShardingStrategy` member for a plan name (`ZERO3` is FULL_SHARD, `ZERO2`
+    SHARD_GRAD_OP)."""
+    name = _TORCH_SHARDING_NAMES.get(plan_name, plan_name)
+    try:
+        from torch.distributed.fsdp import ShardingStrategy
+    except ImportError:  # pragma: no cover - torch without distributed
+        from fullshard.config import ShardingStrategy  # type: ignore[assignment]
+    return ShardingStrategy[name]
+
+
+def torch_cpu_offload(value: object) -> Any:
+    """What `strategy.cpu_offload` reports: the user's object when it is a `CPUOffload` (torch's
+    or ours), else torch's `CPUOffload(offload_params=bool(value))` (Lightning's rule)."""
+    if hasattr(value, "offload_params") and not isinstance(value, bool):
+        return value
+    try:
+        from torch.distributed.fsdp import CPUOffload
+    except ImportError:  # pragma: no cover - torch without distributed
+        from fullshard.config import CPUOffload  # type: ignore[assignment]
+    return CPUOffload(offload_params=bool(value))
+
+
+def torch_mixed_precision(param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                          buffer_dtype: torch.dtype) -> Any:
+    """torch's `MixedPrecision` with these dtypes and torch's defaults for the rest: what
+    Lightning's `FSDPPrecision.mixed_precision_config` returns for a precision string."""
+    try:
+        from torch.distributed.fsdp import MixedPrecision
+    except ImportError:  # pragma: no cover - torch without distributed
+        from fullshard.config import MixedPrecision  # type: ignore[assignment]
+    return MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                          buffer_dtype=buffer_dtype)
+
+
+def check_mesh_or_group(process_group: object, device_mesh: object) -> None:
+    """torch FSDP's `process_group` and `device_mesh` both say which ranks shard: one only."""
+    if process_group is not None and device_mesh is not None:
+        raise ValueError(
+            f"The arguments `FSDPStrategy(process_group=..., device_mesh=...)` are mutually "
+            f"exclusive (got process_group={process_group!r} and device_mesh="
+            f"{device_mesh!r}). Pass only one of them; fullshard takes the (replicate, "
+            f"shard) layout from device_mesh."
+        )
+
+
+# -- gradient clipping arguments ---------------------------------------------------------------
+def _positive_number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{name} must be a positive number (int or float), got "
+            f"{type(value).__name__} {value!r}"
+        )
+    value = float(value)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return value
+
+
+def check_max_norm(max_norm: object) -> float:
+    """`clip_gradients(max_norm=...)`: a finite number > 0 (a negative one would flip every
+    gradient, NaN would make them all NaN)."""
+    return _positive_number("clip_gradients(max_norm=...)", max_norm)
+
+
+def check_clip_val(clip_val: object) -> float:
+    """`clip_gradients(clip_val=...)`: a finite number > 0."""
+    return _positive_number("clip_gradients(clip_val=...)", clip_val)
+
+
+def check_norm_type(norm_type: object) -> float:
+    """`clip_gradients(norm_type=...)`: a p-norm order p >= 0 (0 counts non-zeros), or inf
+    (also spelled 'inf')."""
+    if isinstance(norm_type, str) and norm_type.strip().lower() in ("inf", "+inf"):
+        return math.inf
+    if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real):
+        raise ValueError(
+            f"clip_gradients(norm_type={norm_type!r}) is not supported: pass a number p >= 0 "
+            f"(the p-norm of the gradients, 2.0 by default) or float('inf') / 'inf' (the "
+            f"largest absolute value)."
+        )
+    value = float(norm_type)
+    if math.isnan(value) or value < 0:
+        raise ValueError(
+            f"clip_gradients(norm_type={norm_type!r}) must be a number >= 0 or inf."
+        )
+    return value
