@@ -524,3 +524,36 @@ def test_setup_returns_a_fabric_module_like_model(world1, tmp_path: Path) -> Non
         fabric.clip_gradients(model, opt, max_norm="1")
     with pytest.raises(ValueError, match=r"norm_type='fro'\) is not supported"):
         fabric.clip_gradients(model, opt, max_norm=1.0, norm_type="fro")
+
+
+def test_lightning_differences_are_kept(world1, tmp_path: Path) -> None:
+    """The README's "Lightning differences" that Lightning's own tests would flag: kept."""
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model = fabric.setup(torch.nn.Linear(4, 3))
+    aux = torch.nn.Linear(2, 2)  # never set up: a plain module
+    # A sharded save refuses a non-empty folder that is not a checkpoint (Lightning writes
+    # into it), and leaves the folder as it was.
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("keep")
+    with pytest.raises(IsADirectoryError, match="not a checkpoint; saving would replace it"):
+        fabric.save(folder, {"model": model})
+    assert (folder / "notes.txt").read_text() == "keep"
+    # A plain module, and two models, in one checkpoint (Lightning: one FSDP model only).
+    path = tmp_path / "two"
+    fabric.save(path, {"model": model, "aux": aux})
+    aux2, model_sd = torch.nn.Linear(2, 2), dict(model.state_dict())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    fabric.load(path, {"model": model, "aux": aux2})
+    assert all(torch.equal(a, b) for a, b in zip(aux.parameters(), aux2.parameters()))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in model_sd.items())
+    # state_dict_type is checked when the strategy is built, not at the first save.
+    with pytest.raises(ValueError, match="state_dict_type='invalid'"):
+        fullshard.FSDPStrategy(state_dict_type="invalid")
+    # A bare loss.backward() is a valid backward outside '16-mixed' (no _FabricModule check).
+    model(torch.ones(2, 4)).sum().backward()
+    assert model.weight.grad is not None
+    # The shard of a 2-D weight keeps its rows: (rows, in_features), not a flat 1-D shard.
+    assert model.weight.dim() == 2 and model.weight.shape[1] == 4
