@@ -557,3 +557,11 @@ def test_lightning_differences_are_kept(world1, tmp_path: Path) -> None:
     assert model.weight.grad is not None
     # The shard of a 2-D weight keeps its rows: (rows, in_features), not a flat 1-D shard.
     assert model.weight.dim() == 2 and model.weight.shape[1] == 4
+    # '*-true' keeps no fp32 copy (the module itself is converted), so no warning says it does.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plugin = Precision("bf16-true")
+        assert plugin.mixed_precision_config.param_dtype == torch.bfloat16
+    assert plugin.convert_module(torch.nn.Linear(2, 2)).weight.dtype == torch.bfloat16
