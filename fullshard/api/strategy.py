@@ -26,13 +26,11 @@ The constructor's annotations are real objects, not strings (no `from __future__
 annotations` here): jsonargparse / LightningCLI read them from `inspect.signature`.
 """
 
-import atexit
 import contextlib
 import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,12 +56,16 @@ from fullshard.api.strategy_args import (
     check_max_norm,
     check_mesh_or_group,
     check_norm_type,
+    check_optimizers,
+    check_raw_path,
     check_torch_options,
+    lightning_precision_name,
     mark_wrapped_unit,
     merge_checkpointing_arguments,
     torch_cpu_offload,
     torch_sharding_strategy,
 )
+from fullshard.api.strategy_env import RankPlacement
 from fullshard.config import (
     CPUOffload,
     MixedPrecision,
@@ -72,10 +74,9 @@ from fullshard.config import (
     resolve_sharding_strategy,
 )
 from fullshard.distributed import comm
-from fullshard.distributed.environment import ClusterEnvironment, detect_environment
+from fullshard.distributed.environment import ClusterEnvironment
 from fullshard.distributed.mesh import (
     check_mesh_shape,
-    destroy_process_group_at_exit,
     is_device_mesh,
 )
 from fullshard.engine.module import FullyShardedModule
@@ -87,7 +88,7 @@ except ImportError:  # pragma: no cover - torch without distributed
     DeviceMesh = object  # type: ignore[assignment,misc]
 
 
-class FSDPStrategy:
+class FSDPStrategy(RankPlacement):
     """Fully sharded data parallel training, configured as Lightning Fabric's `FSDPStrategy`.
 
     Args:
@@ -241,15 +242,15 @@ class FSDPStrategy:
             self._precision, self._precision_plugin = value.precision, value
             return
         if value is not None and not isinstance(value, str | int):
-            plugin = _lightning_fsdp_precision(value)
-            if plugin is None:
+            name = lightning_precision_name(value)
+            if name is None:
                 raise TypeError(
                     f"The FSDP strategy can only work with the `FSDPPrecision` plugin (fullshard's "
                     f"`fullshard.api.precision.Precision`, or Lightning's `FSDPPrecision`) or a "
                     f"precision string ('32-true', '16-mixed', 'bf16-mixed', '16-true', "
                     f"'bf16-true'), found {value!r}."
                 )
-            value = plugin.precision  # the name: the plugin is built for this rank's device
+            value = name  # the name: the plugin is built for this rank's device
         self._precision = resolve_precision(value) if value is not None else None
 
     @property
@@ -273,162 +274,6 @@ class FSDPStrategy:
         """What the engine applies: the user's `mixed_precision`, else the precision string's
         dtypes (None for '32-true')."""
         return self._mixed_precision or mixed_precision_for(self._precision or "32-true")
-
-    @property
-    def timeout(self) -> timedelta | None:
-        return self._timeout
-
-    @property
-    def launcher(self) -> Any:
-        return self._launcher
-
-    def _environment(self) -> ClusterEnvironment:
-        if self.cluster_environment is None:
-            self.cluster_environment = detect_environment()
-        return self.cluster_environment
-
-    def _devices(self) -> list[torch.device]:
-        if self.parallel_devices is None:
-            from fullshard.distributed.environment import launched_world_size
-
-            n = launched_world_size() or 1
-            if self._accelerator_type() == "cuda":
-                self.parallel_devices = [torch.device("cuda", i) for i in range(n)]
-            else:
-                self.parallel_devices = [torch.device("cpu")] * n
-        return self.parallel_devices
-
-    def _accelerator_type(self) -> str:
-        if self.accelerator is None:
-            self.accelerator = "cuda" if torch.cuda.is_available() else "cpu"
-        return self.accelerator
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, value: int) -> None:
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"num_nodes must be an int >= 1, got {value!r}")
-        self._num_nodes = value
-
-    @property
-    def num_processes(self) -> int:
-        return len(self._devices())
-
-    @property
-    def world_size(self) -> int:
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_world_size()
-        return self._environment().world_size()
-
-    @property
-    def global_rank(self) -> int:
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-        return self._environment().global_rank()
-
-    @property
-    def local_rank(self) -> int:
-        return self._environment().local_rank()
-
-    @property
-    def node_rank(self) -> int:
-        return self._environment().node_rank()
-
-    @property
-    def is_global_zero(self) -> bool:
-        return self.global_rank == 0
-
-    @property
-    def root_device(self) -> torch.device:
-        devices = self._devices()
-        if self._accelerator_type() == "cuda":
-            return devices[self.local_rank % len(devices)]
-        return torch.device("cpu")
-
-    @property
-    def process_group_backend(self) -> str:
-        if self._process_group_backend is not None:
-            return self._process_group_backend
-        return "nccl" if self.root_device.type == "cuda" else "gloo"
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, int]:
-        """Every rank is a data-parallel rank (replicate and shard axes alike)."""
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
-
-    def _set_world_ranks(self) -> None:
-        env = self._environment()
-        n = self.num_processes
-        world, rank = self.num_nodes * n, self.node_rank * n + self.local_rank
-        if hasattr(env, "set_world_ranks"):
-            env.set_world_ranks(world_size=world, global_rank=rank)
-        else:  # a Lightning ClusterEnvironment: one setter each
-            env.set_world_size(world)
-            env.set_global_rank(rank)
-
-    def _configure_launcher(self) -> None:
-        """A launcher that starts the local ranks, unless something else already started them."""
-        from fullshard.launch.subprocess_script import SubprocessScriptLauncher
-
-        env = self._environment()
-        if env.creates_processes_externally:
-            self._launcher = None
-        else:
-            self._launcher = SubprocessScriptLauncher(
-                env, num_processes=self.num_processes, num_nodes=self.num_nodes
-            )
-
-    def validate_world(self, world_size: int) -> None:
-        """Check what depends on the world size (the mesh) before any process group exists."""
-        mesh = self.device_mesh
-        if isinstance(mesh, tuple) and mesh[0] * mesh[1] != world_size:
-            raise ValueError(
-                f"FSDPStrategy(device_mesh={mesh}) has {mesh[0] * mesh[1]} ranks but the world "
-                f"size is {world_size}. Choose (replicate, shard) with replicate * shard == "
-                f"{world_size}, e.g. ({max(1, world_size // mesh[1])}, {mesh[1]}) if that "
-                f"divides evenly, or leave device_mesh=None for (nodes, ranks per node)."
-            )
-
-    def setup_environment(self) -> None:
-        """Join (or create) the default process group for this rank."""
-        from fullshard.launch.subprocess_script import install_rank_hooks
-
-        env = self._environment()
-        self._set_world_ranks()
-        world = env.world_size()
-        self.validate_world(world)
-        if self.root_device.type == "cuda":
-            torch.cuda.set_device(self.root_device)
-        if not dist.is_initialized():
-            os.environ.setdefault("MASTER_ADDR", env.main_address)
-            os.environ.setdefault("MASTER_PORT", str(env.main_port))
-            kwargs: dict[str, Any] = {}
-            if self._timeout is not None:
-                kwargs["timeout"] = self._timeout
-            dist.init_process_group(
-                self.process_group_backend, rank=env.global_rank(), world_size=world, **kwargs
-            )
-            # Exiting with a live gloo/NCCL group can abort in its destructors at shutdown.
-            atexit.register(destroy_process_group_at_exit)
-        elif dist.get_world_size() != world and "WORLD_SIZE" in os.environ:
-            raise ValueError(
-                f"torch.distributed is already initialized with world size "
-                f"{dist.get_world_size()}, but the environment says {world}."
-            )
-        self.validate_world(dist.get_world_size())
-        install_rank_hooks(dist.get_rank(), self.local_rank)
-
-    def teardown(self) -> None:
-        """End the run in this process: stop the launcher's watch threads (they would outlive
-        the run otherwise) and destroy the process group."""
-        from fullshard.launch.subprocess_script import stop_watch_threads
-
-        stop_watch_threads()
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
 
     # -- wrapping ---------------------------------------------------------------------------
     def _mesh_argument(self) -> object:
@@ -679,37 +524,3 @@ class FSDPStrategy:
             f"precision={self._precision or '32-true'!r})"
         )
 
-
-def check_optimizers(optimizers: Sequence[object], what: str) -> None:
-    """Each must be a `torch.optim.Optimizer` (a string or a class is a mistake to name)."""
-    for i, opt in enumerate(optimizers):
-        if not isinstance(opt, Optimizer):
-            hint = (" (a class: instantiate it on the model's parameters)"
-                    if isinstance(opt, type) else "")
-            raise TypeError(
-                f"fabric.{what}(...) got {type(opt).__name__} {opt!r:.60} as optimizer "
-                f"{i + 1}{hint}; optimizers must be torch.optim.Optimizer instances built on "
-                f"the model's parameters, e.g. torch.optim.AdamW(model.parameters())."
-            )
-
-
-def check_raw_path(path: str | os.PathLike) -> None:
-    """Loading into a bare module (`load_raw`): a file, or a sharded checkpoint directory."""
-    from fullshard.checkpoint.sharded import is_checkpoint_dir
-
-    p = Path(os.fspath(path))
-    if p.is_dir() and not is_checkpoint_dir(p):
-        raise ValueError(
-            f"The given path must be a single file containing the full state dict (or a "
-            f"sharded checkpoint directory with meta.pt): {str(p)!r} is a directory that is "
-            f"not a checkpoint."
-        )
-
-
-def _lightning_fsdp_precision(value: object) -> Precision | None:
-    """A Lightning `FSDPPrecision` passed as `FSDPStrategy(precision=...)`, as ours; None for
-    any other object (Lightning's FSDP strategy takes no other precision plugin either)."""
-    if type(value).__name__ != "FSDPPrecision" or not isinstance(getattr(value, "precision",
-                                                                           None), str):
-        return None
-    return Precision(value.precision)  # type: ignore[attr-defined]

@@ -12,15 +12,18 @@ from __future__ import annotations
 import enum
 import math
 import numbers
+import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim import Optimizer
 
 from fullshard.config import resolve_bucketing_strategy
 from fullshard.engine.wrap import mark_unit
@@ -402,3 +405,38 @@ def check_norm_type(norm_type: object) -> float:
             f"clip_gradients(norm_type={norm_type!r}) must be a number >= 0 or inf."
         )
     return value
+
+
+def check_optimizers(optimizers: Sequence[object], what: str) -> None:
+    """Each must be a `torch.optim.Optimizer` (a string or a class is a mistake to name)."""
+    for i, opt in enumerate(optimizers):
+        if not isinstance(opt, Optimizer):
+            hint = (" (a class: instantiate it on the model's parameters)"
+                    if isinstance(opt, type) else "")
+            raise TypeError(
+                f"fabric.{what}(...) got {type(opt).__name__} {opt!r:.60} as optimizer "
+                f"{i + 1}{hint}; optimizers must be torch.optim.Optimizer instances built on "
+                f"the model's parameters, e.g. torch.optim.AdamW(model.parameters())."
+            )
+
+
+def check_raw_path(path: str | os.PathLike) -> None:
+    """Loading into a bare module (`load_raw`): a file, or a sharded checkpoint directory."""
+    from fullshard.checkpoint.sharded import is_checkpoint_dir
+
+    p = Path(os.fspath(path))
+    if p.is_dir() and not is_checkpoint_dir(p):
+        raise ValueError(
+            f"The given path must be a single file containing the full state dict (or a "
+            f"sharded checkpoint directory with meta.pt): {str(p)!r} is a directory that is "
+            f"not a checkpoint."
+        )
+
+
+def lightning_precision_name(value: object) -> str | None:
+    """The precision string of a Lightning `FSDPPrecision` passed as `FSDPStrategy(precision=
+    ...)`; None for any other object (Lightning's FSDP strategy takes no other plugin either)."""
+    if type(value).__name__ != "FSDPPrecision":
+        return None
+    name = getattr(value, "precision", None)
+    return name if isinstance(name, str) else None
