@@ -93,10 +93,17 @@ def resolve_devices(devices: int | str | Sequence[int], device_type: str) -> lis
         devices = n
     if isinstance(devices, str):
         text = devices.strip()
+        parts = [x.strip() for x in text.split(",") if x.strip()]
         if text.lstrip("-").isdigit():
             devices = int(text)
+        elif parts and all(x.isdigit() for x in parts):
+            devices = [int(x) for x in parts]
         else:
-            devices = [int(x) for x in text.split(",") if x.strip()]
+            raise ValueError(
+                f"Fabric(devices={devices!r}) is not a device count: pass an int (e.g. 2), "
+                f"'auto', -1 (every GPU), or CUDA device indices as a list or a string such as "
+                f"'0,1'."
+            )
     if isinstance(devices, int) and not isinstance(devices, bool):
         if devices == -1 and device_type == "cuda":
             devices = torch.cuda.device_count()

@@ -9,11 +9,13 @@ samplers), `api.batches` (moving batches), `api.collectives` (`all_gather` / `al
 `api.loggers` (`log`, `log_dict`, the CSV logger), `api.seed`, `api.forward_methods`
 (`model.module`, `mark_forward_method`). It owns no sharding logic.
 
-Differences from Lightning worth knowing:
+Differences from Lightning worth knowing (the README's "Lightning differences" table has all):
 - `setup` returns the model object itself (sharded in place) and the optimizers themselves,
   not `_FabricModule` / `_FabricOptimizer` wrappers: the precision's forward context and
   casts are hooks on the model, and under '16-mixed' `optimizer.step()` goes through the
-  gradient scaler (see `fullshard.api.precision`). `model.module` is the model itself.
+  gradient scaler (see `fullshard.api.precision`). What scripts use of `_FabricModule` is
+  there: `model.module` (the model as its own class), `model.device` (`fabric.device`) and
+  `model.mark_forward_method`; every other attribute is the model's own, as it is the model.
   `fabric.backward(loss)` scales the loss under '16-mixed' and is otherwise the same as
   `loss.backward()`.
 - strategies: 'fsdp' (FULL_SHARD), 'ddp' (NO_SHARD, i.e. replicated: DDP's numerics), an
@@ -247,14 +249,20 @@ class Fabric:
     def _finish_setup(self, module: nn.Module) -> nn.Module:
         object.__setattr__(module, _SET_UP, True)
         forward_methods.attach(module)
+        # `_FabricModule.device`: where the model computes. Not set over a `device` the
+        # model's class already has (a Hugging Face model's property, a user attribute).
+        if not _has_attribute(module, "device"):
+            object.__setattr__(module, "device", self.device)
         return module
 
     def setup(self, module: nn.Module, *optimizers: Optimizer, scheduler: Any = None,
-              move_to_device: bool = True) -> Any:
+              move_to_device: bool = True, _reapply_compile: bool = True) -> Any:
         """Shard `module`; point optimizers built on its parameters at the shards.
 
         Returns `module` alone, or `(module, *optimizers)` (plus `scheduler` when given).
-        Setting up the same model twice is a `ValueError`.
+        Setting up the same model twice is a `ValueError`. A `torch.compile`d model is
+        always unwrapped, sharded and compiled again the same way (`_reapply_compile` is
+        accepted for Lightning's signature; False changes nothing).
         """
         self._check_not_set_up(module, "setup")
         module, opts, scheduler = self._strategy.setup_module_and_optimizers(
@@ -266,7 +274,8 @@ class Fabric:
         out = (module, *opts)
         return (*out, scheduler) if scheduler is not None else out
 
-    def setup_module(self, module: nn.Module, move_to_device: bool = True) -> nn.Module:
+    def setup_module(self, module: nn.Module, move_to_device: bool = True,
+                     _reapply_compile: bool = True) -> nn.Module:
         """Shard `module`; create the optimizer from its parameters afterwards."""
         self._check_not_set_up(module, "setup_module")
         return self._finish_setup(self._strategy.setup_module(module))
@@ -393,7 +402,8 @@ class Fabric:
     def load(self, path: str | os.PathLike, state: dict[str, Any] | None = None,
              strict: bool = True, *, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint into `state` in place (models, optimizers, stateful objects and
-        plain values); return the checkpoint's entries `state` did not ask for.
+        plain values); return the checkpoint's entries `state` did not ask for (with
+        `state=None` or `{}`: the whole checkpoint, as one full-format dict).
         `weights_only=False` unpickles objects other than tensors and plain values, which can
         run code from the file: only for files you trust (None, the default, means True)."""
         remainder = self._strategy.load_checkpoint(path, state, strict=strict,
@@ -406,7 +416,7 @@ class Fabric:
         """Load a plain state-dict file (`torch.save(model.state_dict(), path)`, or a full
         checkpoint with one model) into the module `obj` -- set up or not -- on every rank."""
         if isinstance(obj, Optimizer):
-            raise TypeError(
+            raise NotImplementedError(
                 "load_raw(path, optimizer) is not supported: the optimizer state of a sharded "
                 "model is keyed by parameter name and restored with its model; save and load "
                 "them together with fabric.save(path, {'model': ..., 'optimizer': ...}) and "
@@ -497,6 +507,14 @@ def _weights_only(weights_only: bool | None) -> bool | None:
     if weights_only is not None and not isinstance(weights_only, bool):
         raise TypeError(f"weights_only must be True, False or None, got {weights_only!r}")
     return weights_only
+
+
+def _has_attribute(obj: object, name: str) -> bool:
+    try:
+        getattr(obj, name)
+    except AttributeError:
+        return False
+    return True
 
 
 def _accepted_kwargs(method: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -61,7 +61,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from fullshard.api.batches import cast_floating
-from fullshard.config import MixedPrecision, mixed_precision_for, resolve_precision
+from fullshard.api.strategy_args import torch_mixed_precision
+from fullshard.config import PRECISIONS, MixedPrecision, mixed_precision_for, resolve_precision
 from fullshard.distributed import comm
 
 _LOW = {"16": torch.float16, "bf16": torch.bfloat16, "32": torch.float32}
@@ -128,26 +129,73 @@ class ShardedGradScaler(torch.amp.GradScaler):
     def found_inf(self, optimizer: Optimizer) -> bool:
         """Whether this step's (already unscaled) gradients of `optimizer` overflowed on any
         rank; False when they were not unscaled yet."""
-        flags = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-        return bool(sum(v.item() for v in flags.values()))
+        return _found_inf(self, optimizer)
 
     def is_unscaled(self, optimizer: Optimizer) -> bool:
-        from torch.amp.grad_scaler import OptState
+        return _is_unscaled(self, optimizer)
 
-        return self._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED
+
+# A user's scaler may be torch's FSDP `ShardedGradScaler`: these read torch's own per-optimizer
+# record (`torch.amp.GradScaler` keeps it), so they work for either class.
+def _found_inf(scaler: torch.amp.GradScaler, optimizer: Optimizer) -> bool:
+    flags = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+    return bool(sum(v.item() for v in flags.values()))
+
+
+def _is_unscaled(scaler: torch.amp.GradScaler, optimizer: Optimizer) -> bool:
+    from torch.amp.grad_scaler import OptState
+
+    return scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED
+
+
+def _is_global_scaler(scaler: object) -> bool:
+    """Ours, or torch's FSDP `ShardedGradScaler` (both check for inf/NaN over all ranks)."""
+    if isinstance(scaler, ShardedGradScaler):
+        return True
+    try:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as Torch
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(scaler, Torch)
 
 
 class Precision:
     """What one precision string means: see the module docstring's table.
 
+    The methods Lightning's strategies call on a precision plugin have Lightning's
+    signatures (`backward(tensor, model, *args, **kwargs)`, `optimizer_step(optimizer,
+    **kwargs)`, `convert_module`, the contexts, `mixed_precision_config`).
+
     Args:
         precision: a Lightning precision string or alias (None: '32-true').
         device: where the model computes (the autocast and scaler device type).
+        scaler: '16-mixed' only: the gradient scaler to use instead of a new
+            `ShardedGradScaler` (ours, or torch's FSDP `ShardedGradScaler`: the inf check
+            must cover every rank's shards, so a plain `torch.amp.GradScaler` is refused).
     """
 
     def __init__(self, precision: str | int | None = None,
-                 device: torch.device | str = "cpu") -> None:
-        self.precision = resolve_precision(precision)
+                 device: torch.device | str = "cpu", *,
+                 scaler: torch.amp.GradScaler | None = None) -> None:
+        try:
+            self.precision = resolve_precision(precision)
+        except ValueError:
+            raise ValueError(
+                f"precision={precision!r} is not supported in FSDP. `precision` must be one "
+                f"of: {', '.join(PRECISIONS)} (aliases: 32, 16, 'bf16')."
+            ) from None
+        if scaler is not None and self.precision != "16-mixed":
+            raise ValueError(
+                f"`precision={self.precision!r}` does not use a scaler, found {scaler!r}. Only "
+                f"'16-mixed' scales the loss; drop the scaler."
+            )
+        if scaler is not None and not _is_global_scaler(scaler):
+            raise TypeError(
+                f"Precision('16-mixed', scaler=...) needs a scaler whose inf/NaN check covers "
+                f"every rank's gradient shards: fullshard.api.precision.ShardedGradScaler or "
+                f"torch's torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler; got "
+                f"{type(scaler).__name__}."
+            )
         self.device = torch.device(device)
         bits, kind = self.precision.split("-")
         self.dtype: torch.dtype = _LOW[bits]
@@ -155,8 +203,8 @@ class Precision:
         self.is_true = kind == "true"
         self.mixed_precision: MixedPrecision | None = mixed_precision_for(self.precision)
         """The engine's dtypes for this string (None for 32-true)."""
-        self.scaler: ShardedGradScaler | None = None
-        if self.precision == "16-mixed":
+        self.scaler: torch.amp.GradScaler | None = scaler
+        if self.precision == "16-mixed" and scaler is None:
             self.scaler = ShardedGradScaler(self.device.type)
         self._scaled_backwards = 0  # scaled backward calls so far
         self._seen_at_step: dict[int, int] = {}  # id(optimizer) -> that count at its last step
@@ -179,13 +227,16 @@ class Precision:
         return hash(self.precision)
 
     @property
-    def mixed_precision_config(self) -> MixedPrecision:
-        """The dtypes this precision string gathers, reduces and keeps buffers in (fp32 for
-        '32-true'); what Lightning's `FSDPPrecision.mixed_precision_config` reports."""
-        if self.mixed_precision is not None:
-            return self.mixed_precision
+    def mixed_precision_config(self) -> Any:
+        """torch's `MixedPrecision` with the dtypes this precision string gathers, reduces and
+        keeps buffers in (fp32 for '32-true'): what Lightning's
+        `FSDPPrecision.mixed_precision_config` reports (torch-equal to it). The engine
+        applies `self.mixed_precision`, fullshard's own type with the same dtypes."""
+        mp = self.mixed_precision
         f32 = torch.float32
-        return MixedPrecision(param_dtype=f32, reduce_dtype=f32, buffer_dtype=f32)
+        if mp is None:
+            return torch_mixed_precision(f32, f32, f32)
+        return torch_mixed_precision(mp.param_dtype, mp.reduce_dtype, mp.buffer_dtype)
 
     def tensor_init_context(self) -> contextlib.AbstractContextManager:
         """Default dtype for tensors created by the user (`fabric.init_tensor()`): the low
@@ -247,8 +298,11 @@ class Precision:
         module.register_forward_hook(post, always_call=True)
 
     # -- the loss and the optimizer -------------------------------------------------------------
-    def backward(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        """`tensor.backward()`, with the loss scaled first when there is a scaler."""
+    def backward(self, tensor: torch.Tensor, model: nn.Module | None = None, *args: Any,
+                 **kwargs: Any) -> None:
+        """`tensor.backward(*args, **kwargs)`, with the loss scaled first when there is a
+        scaler. `model` is Lightning's plugin signature (the module the loss came from); it
+        is not used."""
         if self.scaler is not None:
             tensor = self.scaler.scale(tensor)
             self._scaled_backwards += 1
@@ -263,8 +317,14 @@ class Precision:
         return tensor
 
     def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
-        """`optimizer.step()` (through the scaler when `setup_optimizer` routed it there)."""
-        return optimizer.step(**kwargs)
+        """`optimizer.step(**kwargs)`; with a scaler, through it (`scaler.step` then
+        `scaler.update`) -- directly here for an optimizer `setup_optimizer` did not route,
+        by its own routed `step` otherwise (so the scaler steps once either way)."""
+        if self.scaler is None or getattr(optimizer, "_fullshard_precision", None) is self:
+            return optimizer.step(**kwargs)
+        out = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        return out
 
     def main_params(self, optimizer: Optimizer) -> Iterator[torch.Tensor]:
         """The parameters the optimizer updates (the fp32 shards in every mode but '*-true')."""
@@ -329,9 +389,9 @@ class Precision:
         if self.scaler is None:
             return False
         self._check_scaled(optimizer)
-        if not self.scaler.is_unscaled(optimizer):
+        if not _is_unscaled(self.scaler, optimizer):
             self.scaler.unscale_(optimizer)
-        return self.scaler.found_inf(optimizer)
+        return _found_inf(self.scaler, optimizer)
 
     def state_dict(self) -> dict[str, Any]:
         return self.scaler.state_dict() if self.scaler is not None else {}

@@ -20,11 +20,12 @@ Meanings where Lightning's FSDP and ours differ on purpose:
 - `module_sharded_context()` is torch's `enable_wrap`: `wrap()`ped modules become units.
 - ignored parameters count in `clip_gradients_norm` with their local gradients, added after
   the reduction of the shards' norms, as torch FSDP does.
+- the README's "Lightning differences" table lists the rest, each with its reason.
+
+The constructor's annotations are real objects, not strings (no `from __future__ import
+annotations` here): jsonargparse / LightningCLI read them from `inspect.signature`.
 """
 
-from __future__ import annotations
-
-import atexit
 import contextlib
 import os
 import weakref
@@ -50,11 +51,21 @@ from fullshard.api.optimizer_setup import (
 from fullshard.api.precision import Precision, as_lightning_plugin
 from fullshard.api.strategy_args import (
     as_timeout,
+    check_clip_val,
     check_engine_kwargs,
+    check_max_norm,
+    check_mesh_or_group,
+    check_norm_type,
+    check_optimizers,
+    check_raw_path,
     check_torch_options,
+    lightning_precision_name,
     mark_wrapped_unit,
     merge_checkpointing_arguments,
+    torch_cpu_offload,
+    torch_sharding_strategy,
 )
+from fullshard.api.strategy_env import RankPlacement
 from fullshard.config import (
     CPUOffload,
     MixedPrecision,
@@ -63,17 +74,21 @@ from fullshard.config import (
     resolve_sharding_strategy,
 )
 from fullshard.distributed import comm
-from fullshard.distributed.environment import ClusterEnvironment, detect_environment
+from fullshard.distributed.environment import ClusterEnvironment
 from fullshard.distributed.mesh import (
     check_mesh_shape,
-    destroy_process_group_at_exit,
     is_device_mesh,
 )
 from fullshard.engine.module import FullyShardedModule
 from fullshard.engine.wrap import normalize_policy
 
+try:  # the annotation of `device_mesh` (jsonargparse parses `[1, 2]` into the tuple)
+    from torch.distributed.device_mesh import DeviceMesh
+except ImportError:  # pragma: no cover - torch without distributed
+    DeviceMesh = object  # type: ignore[assignment,misc]
 
-class FSDPStrategy:
+
+class FSDPStrategy(RankPlacement):
     """Fully sharded data parallel training, configured as Lightning Fabric's `FSDPStrategy`.
 
     Args:
@@ -81,11 +96,16 @@ class FSDPStrategy:
         parallel_devices: the devices of this node's ranks (Fabric sets it from `devices`).
         cluster_environment: a `fullshard.distributed.environment.ClusterEnvironment`
             (default: detected -- torchelastic, SLURM, else the local environment).
-        precision: '32-true', '16-mixed', 'bf16-mixed', '16-true', 'bf16-true' (None: fp32).
+        precision: '32-true', '16-mixed', 'bf16-mixed', '16-true', 'bf16-true' (None: fp32),
+            or a precision plugin (ours, or Lightning's `FSDPPrecision`; any other plugin
+            is a `TypeError`, as in Lightning).
         process_group_backend: default 'nccl' on CUDA, 'gloo' on CPU.
         timeout: the process group's collective timeout.
-        cpu_offload: True / `CPUOffload` (ours or torch's).
+        cpu_offload: True / `CPUOffload` (ours or torch's); `strategy.cpu_offload` reports
+            the object passed, or torch's `CPUOffload(offload_params=...)` for a bool.
         mixed_precision: `MixedPrecision` (ours or torch's); wins over `precision`.
+            `strategy.mixed_precision_config` reports it as passed, else torch's
+            `MixedPrecision` for the precision string.
         auto_wrap_policy: which modules become units: a set of module classes, torch's
             `ModuleWrapPolicy`, or a callable `(module, recurse, nonwrapped_numel) -> bool`;
             default: `_no_split_modules`, else the repeated blocks; "root": the root alone.
@@ -93,7 +113,8 @@ class FSDPStrategy:
         activation_checkpointing_policy: modules whose activations are recomputed in
             backward (same forms as `auto_wrap_policy`).
         sharding_strategy: 'FULL_SHARD', 'SHARD_GRAD_OP', 'NO_SHARD', 'HYBRID_SHARD' (any
-            case) or torch's `ShardingStrategy`.
+            case), torch's `ShardingStrategy` or ours; `strategy.sharding_strategy` reports
+            torch's `ShardingStrategy` member.
         state_dict_type: 'sharded' (one file per rank) or 'full' (one file) for checkpoints.
         device_mesh: HYBRID_SHARD only: `(replicate, shard)` with product == world size, or a
             2-D `DeviceMesh`. Default for HYBRID_SHARD: (nodes, ranks per node).
@@ -108,7 +129,7 @@ class FSDPStrategy:
         accelerator: str | None = None,
         parallel_devices: Sequence[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
-        precision: str | int | None = None,
+        precision: str | int | Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = timedelta(seconds=1800),
         cpu_offload: bool | CPUOffload | object | None = None,
@@ -118,9 +139,10 @@ class FSDPStrategy:
         activation_checkpointing_policy: object = None,
         sharding_strategy: object = "FULL_SHARD",
         state_dict_type: str = "sharded",
-        device_mesh: tuple[int, int] | object | None = None,
+        device_mesh: tuple[int, int] | DeviceMesh | None = None,
         **kwargs: Any,
     ) -> None:
+        check_mesh_or_group(kwargs.get("process_group"), device_mesh)
         self._engine_kwargs, self._torch_options = check_engine_kwargs(kwargs)
 
         self._plan = resolve_sharding_strategy(sharding_strategy)
@@ -151,10 +173,16 @@ class FSDPStrategy:
         self.auto_wrap_policy = auto_wrap_policy
         self.activation_checkpointing_policy = activation_checkpointing_policy
 
-        self.cpu_offload = CPUOffload.coerce(cpu_offload)
-        self.mixed_precision = MixedPrecision.coerce(mixed_precision)
-        self._precision = resolve_precision(precision) if precision is not None else None
+        # The engine's own types; the user's objects (or torch's equivalents) are what the
+        # `cpu_offload` / `mixed_precision` attributes report, as in Lightning.
+        self._cpu_offload = CPUOffload.coerce(cpu_offload)
+        self.cpu_offload = torch_cpu_offload(cpu_offload)
+        self._mixed_precision = MixedPrecision.coerce(mixed_precision)
+        self.mixed_precision = mixed_precision
+        self._precision: str | None = None
         self._precision_plugin: Precision | None = None
+        if precision is not None:
+            self.precision = precision  # the setter: a string/alias or a precision plugin
 
         if accelerator is not None and accelerator not in ("cpu", "cuda", "gpu"):
             raise ValueError(
@@ -177,8 +205,25 @@ class FSDPStrategy:
 
     # -- job facts --------------------------------------------------------------------------
     @property
-    def sharding_strategy(self) -> str:
-        return self._plan.name
+    def sharding_strategy(self) -> Any:
+        """torch's `torch.distributed.fsdp.ShardingStrategy` member (as Lightning reports it),
+        whichever spelling was passed (`FSDPType.ZERO3` is FULL_SHARD, ZERO2 SHARD_GRAD_OP)."""
+        return torch_sharding_strategy(self._plan.name)
+
+    @property
+    def checkpoint_io(self) -> Any:
+        """Not used (as in Lightning): the strategy writes its checkpoints itself."""
+        raise NotImplementedError(
+            f"The `{type(self).__name__}` does not use the `CheckpointIO` plugin interface: it "
+            f"writes checkpoints itself (fabric.save / fabric.load)."
+        )
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Any) -> None:
+        raise NotImplementedError(
+            f"The `{type(self).__name__}` does not support setting a `CheckpointIO` plugin "
+            f"(got {io!r}): it writes checkpoints itself (fabric.save / fabric.load)."
+        )
 
     @property
     def state_dict_type(self) -> str:
@@ -196,6 +241,16 @@ class FSDPStrategy:
         if isinstance(value, Precision):
             self._precision, self._precision_plugin = value.precision, value
             return
+        if value is not None and not isinstance(value, str | int):
+            name = lightning_precision_name(value)
+            if name is None:
+                raise TypeError(
+                    f"The FSDP strategy can only work with the `FSDPPrecision` plugin (fullshard's "
+                    f"`fullshard.api.precision.Precision`, or Lightning's `FSDPPrecision`) or a "
+                    f"precision string ('32-true', '16-mixed', 'bf16-mixed', '16-true', "
+                    f"'bf16-true'), found {value!r}."
+                )
+            value = name  # the name: the plugin is built for this rank's device
         self._precision = resolve_precision(value) if value is not None else None
 
     @property
@@ -208,157 +263,17 @@ class FSDPStrategy:
         return plugin
 
     @property
-    def mixed_precision_config(self) -> MixedPrecision | None:
-        """The user's `mixed_precision`, else what the precision string stands for."""
-        return self.mixed_precision or mixed_precision_for(self._precision or "32-true")
+    def mixed_precision_config(self) -> Any:
+        """The user's `mixed_precision` object as passed, else torch's `MixedPrecision` for the
+        precision string (fp32 throughout for '32-true'), as Lightning reports it."""
+        if self.mixed_precision is not None:
+            return self.mixed_precision
+        return self.precision_plugin.mixed_precision_config
 
-    @property
-    def timeout(self) -> timedelta | None:
-        return self._timeout
-
-    @property
-    def launcher(self) -> Any:
-        return self._launcher
-
-    def _environment(self) -> ClusterEnvironment:
-        if self.cluster_environment is None:
-            self.cluster_environment = detect_environment()
-        return self.cluster_environment
-
-    def _devices(self) -> list[torch.device]:
-        if self.parallel_devices is None:
-            from fullshard.distributed.environment import launched_world_size
-
-            n = launched_world_size() or 1
-            if self._accelerator_type() == "cuda":
-                self.parallel_devices = [torch.device("cuda", i) for i in range(n)]
-            else:
-                self.parallel_devices = [torch.device("cpu")] * n
-        return self.parallel_devices
-
-    def _accelerator_type(self) -> str:
-        if self.accelerator is None:
-            self.accelerator = "cuda" if torch.cuda.is_available() else "cpu"
-        return self.accelerator
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, value: int) -> None:
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"num_nodes must be an int >= 1, got {value!r}")
-        self._num_nodes = value
-
-    @property
-    def num_processes(self) -> int:
-        return len(self._devices())
-
-    @property
-    def world_size(self) -> int:
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_world_size()
-        return self._environment().world_size()
-
-    @property
-    def global_rank(self) -> int:
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-        return self._environment().global_rank()
-
-    @property
-    def local_rank(self) -> int:
-        return self._environment().local_rank()
-
-    @property
-    def node_rank(self) -> int:
-        return self._environment().node_rank()
-
-    @property
-    def is_global_zero(self) -> bool:
-        return self.global_rank == 0
-
-    @property
-    def root_device(self) -> torch.device:
-        devices = self._devices()
-        if self._accelerator_type() == "cuda":
-            return devices[self.local_rank % len(devices)]
-        return torch.device("cpu")
-
-    @property
-    def process_group_backend(self) -> str:
-        if self._process_group_backend is not None:
-            return self._process_group_backend
-        return "nccl" if self.root_device.type == "cuda" else "gloo"
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, int]:
-        """Every rank is a data-parallel rank (replicate and shard axes alike)."""
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
-
-    def _set_world_ranks(self) -> None:
-        env = self._environment()
-        n = self.num_processes
-        env.set_world_ranks(
-            world_size=self.num_nodes * n, global_rank=self.node_rank * n + self.local_rank
-        )
-
-    def _configure_launcher(self) -> None:
-        """A launcher that starts the local ranks, unless something else already started them."""
-        from fullshard.launch.subprocess_script import SubprocessScriptLauncher
-
-        env = self._environment()
-        if env.creates_processes_externally:
-            self._launcher = None
-        else:
-            self._launcher = SubprocessScriptLauncher(
-                env, num_processes=self.num_processes, num_nodes=self.num_nodes
-            )
-
-    def validate_world(self, world_size: int) -> None:
-        """Check what depends on the world size (the mesh) before any process group exists."""
-        mesh = self.device_mesh
-        if isinstance(mesh, tuple) and mesh[0] * mesh[1] != world_size:
-            raise ValueError(
-                f"FSDPStrategy(device_mesh={mesh}) has {mesh[0] * mesh[1]} ranks but the world "
-                f"size is {world_size}. Choose (replicate, shard) with replicate * shard == "
-                f"{world_size}, e.g. ({max(1, world_size // mesh[1])}, {mesh[1]}) if that "
-                f"divides evenly, or leave device_mesh=None for (nodes, ranks per node)."
-            )
-
-    def setup_environment(self) -> None:
-        """Join (or create) the default process group for this rank."""
-        from fullshard.launch.subprocess_script import install_rank_hooks
-
-        env = self._environment()
-        self._set_world_ranks()
-        world = env.world_size()
-        self.validate_world(world)
-        if self.root_device.type == "cuda":
-            torch.cuda.set_device(self.root_device)
-        if not dist.is_initialized():
-            os.environ.setdefault("MASTER_ADDR", env.main_address)
-            os.environ.setdefault("MASTER_PORT", str(env.main_port))
-            kwargs: dict[str, Any] = {}
-            if self._timeout is not None:
-                kwargs["timeout"] = self._timeout
-            dist.init_process_group(
-                self.process_group_backend, rank=env.global_rank(), world_size=world, **kwargs
-            )
-            # Exiting with a live gloo/NCCL group can abort in its destructors at shutdown.
-            atexit.register(destroy_process_group_at_exit)
-        elif dist.get_world_size() != world and "WORLD_SIZE" in os.environ:
-            raise ValueError(
-                f"torch.distributed is already initialized with world size "
-                f"{dist.get_world_size()}, but the environment says {world}."
-            )
-        self.validate_world(dist.get_world_size())
-        install_rank_hooks(dist.get_rank(), self.local_rank)
-
-    def teardown(self) -> None:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+    def _engine_mixed_precision(self) -> MixedPrecision | None:
+        """What the engine applies: the user's `mixed_precision`, else the precision string's
+        dtypes (None for '32-true')."""
+        return self._mixed_precision or mixed_precision_for(self._precision or "32-true")
 
     # -- wrapping ---------------------------------------------------------------------------
     def _mesh_argument(self) -> object:
@@ -384,8 +299,8 @@ class FSDPStrategy:
             sharding_strategy=self._plan.name,
             auto_wrap_policy=self.auto_wrap_policy,
             device_mesh=self._mesh_argument(),
-            mixed_precision=self.mixed_precision_config,
-            cpu_offload=self.cpu_offload,
+            mixed_precision=self._engine_mixed_precision(),
+            cpu_offload=self._cpu_offload,
             activation_checkpointing_policy=self.activation_checkpointing_policy,
             **self._engine_kwargs,
         )
@@ -403,6 +318,7 @@ class FSDPStrategy:
         never stepped nor loaded); otherwise a `ValueError` says how to set things up instead.
         """
         optimizers = list(optimizers)
+        check_optimizers(optimizers, "setup")
         for opt in optimizers:
             check_no_meta(opt)
         if isinstance(uncompiled(module), FullyShardedModule):
@@ -423,6 +339,7 @@ class FSDPStrategy:
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Check that `optimizer` holds only shards of models set up by this strategy."""
+        check_optimizers([optimizer], "setup_optimizers")
         check_no_meta(optimizer)
         known = {id(p) for ref in self._modules if (m := ref()) is not None
                  for p in m.parameters()}
@@ -452,16 +369,18 @@ class FSDPStrategy:
     def _wrapped(self, module: nn.Module, what: str) -> nn.Module:
         module = uncompiled(module)  # type: ignore[assignment]
         if not isinstance(module, FullyShardedModule):
+            # Lightning's wording, so a search for it finds the same cause.
             raise TypeError(
-                f"{what} needs a model set up by FSDPStrategy / fabric.setup(); got an "
-                f"unwrapped {type(module).__name__}."
+                f"`{what}` is only possible if the module passed to it is wrapped in "
+                f"`FullyShardedDataParallel` -- under fullshard: a model set up by "
+                f"FSDPStrategy / fabric.setup(); got an unwrapped {type(module).__name__}."
             )
         return module
 
     # -- training-loop helpers --------------------------------------------------------------
     def backward(self, tensor: torch.Tensor, module: nn.Module | None = None, *args: Any,
                  **kwargs: Any) -> None:
-        self.precision_plugin.backward(tensor, *args, **kwargs)
+        self.precision_plugin.backward(tensor, module, *args, **kwargs)
 
     def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
         return optimizer.step(**kwargs)
@@ -491,6 +410,8 @@ class FSDPStrategy:
         Every rank gets the same norm, so with `error_if_nonfinite` they all raise together.
         """
         module = self._wrapped(module, "clip_gradients_norm")
+        max_norm = check_max_norm(max_norm)
+        norm_type = check_norm_type(norm_type)
         if self.precision_plugin.unscale_for_clipping(optimizer, "clip_gradients_norm"):
             error_if_nonfinite = False  # an overflow step: skipped, not an error
         runtime = module.fullshard_runtime  # type: ignore[attr-defined]
@@ -510,6 +431,7 @@ class FSDPStrategy:
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer | None,
                              clip_val: float) -> None:
         """Clamp every gradient element to `[-clip_val, clip_val]` (exact on shards)."""
+        clip_val = check_clip_val(clip_val)
         self.precision_plugin.unscale_for_clipping(optimizer, "clip_gradients_value")
         torch.nn.utils.clip_grad_value_(module.parameters(), clip_val)
 
@@ -550,8 +472,15 @@ class FSDPStrategy:
 
         if storage_options is not None:
             raise TypeError(
-                "FSDPStrategy.save_checkpoint(..., storage_options=...) is not supported: the "
-                "strategy writes its files itself."
+                "`FSDPStrategy.save_checkpoint(..., storage_options=...)` is not supported: the "
+                "strategy writes its files itself (no `CheckpointIO`)."
+            )
+        if isinstance(state, dict) and not state:
+            raise ValueError(
+                "Could not find a FSDP model in the provided checkpoint state: state={} holds "
+                "nothing to save. Pass the model as part of the state, e.g. "
+                "`fabric.save(path, {'model': model, 'optimizer': optimizer})`, with the model "
+                "(and optimizers) set up through the strategy."
             )
         # How long the call waits for the other ranks to call it too: the group's timeout.
         timeout = self._timeout.total_seconds() if self._timeout is not None else 1800.0
@@ -572,6 +501,17 @@ class FSDPStrategy:
         files you trust); None means True."""
         from fullshard.checkpoint import load_checkpoint
 
+        if isinstance(state, Optimizer):
+            raise NotImplementedError(
+                "Loading a single optimizer object from a checkpoint is not supported yet with "
+                "the FSDP strategy: an optimizer's state is keyed by its model's parameter "
+                "names, so load them together: fabric.load(path, {'model': model, "
+                "'optimizer': optimizer})."
+            )
+        if isinstance(state, dict) and not state:
+            state = None  # nothing asked for: the whole checkpoint, as for state=None
+        if isinstance(state, nn.Module):
+            check_raw_path(path)
         timeout = self._timeout.total_seconds() if self._timeout is not None else 1800.0
         with uncompiled_entries(state) as state:
             return load_checkpoint(path, state, strict=strict, timeout=timeout,
@@ -583,3 +523,4 @@ class FSDPStrategy:
             f"state_dict_type={self._state_dict_type!r}, "
             f"precision={self._precision or '32-true'!r})"
         )
+

@@ -1,5 +1,6 @@
 """Parsing and checking `FSDPStrategy`'s arguments: engine keywords, the deprecated
-`activation_checkpointing`, the timeout, and the reduce ops of the user collectives.
+`activation_checkpointing`, the timeout, the reduce ops of the user collectives, the
+gradient-clipping arguments, and the torch FSDP objects Lightning's attributes report.
 
 Also torch FSDP's own keywords (see [Note: torch FSDP's keywords]): each is translated to
 the engine's option with the same meaning, checked at setup, or warned about once when it
@@ -9,15 +10,20 @@ can have no effect here. Every rejection says what was found and what to pass in
 from __future__ import annotations
 
 import enum
+import math
+import numbers
+import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim import Optimizer
 
 from fullshard.config import check_ignored_states, check_module_classes, resolve_bucketing_strategy
 from fullshard.engine.wrap import mark_unit
@@ -298,3 +304,136 @@ def mark_wrapped_unit(module: nn.Module, **overrides: Any) -> nn.Module:
             f"every unit uses the FSDPStrategy's options; the module still becomes a unit.",
         )
     return mark_unit(module)
+
+
+# -- torch's own types for Lightning's attributes ----------------------------------------------
+# Lightning's `strategy.sharding_strategy`, `.cpu_offload` and `.mixed_precision_config` are
+# torch FSDP's enum and dataclasses; scripts compare them with torch's objects or read
+# `.name`. The engine keeps its own types; these build the torch objects users see. A torch
+# built without distributed support has no `torch.distributed.fsdp`: fullshard's own types
+# stand in then (they carry the same fields and names).
+_TORCH_SHARDING_NAMES = {"ZERO3": "FULL_SHARD", "ZERO2": "SHARD_GRAD_OP"}
+
+
+def torch_sharding_strategy(plan_name: str) -> Any:
+    """torch's `ShardingStrategy` member for a plan name (`ZERO3` is FULL_SHARD, `ZERO2`
+    SHARD_GRAD_OP)."""
+    name = _TORCH_SHARDING_NAMES.get(plan_name, plan_name)
+    try:
+        from torch.distributed.fsdp import ShardingStrategy
+    except ImportError:  # pragma: no cover - torch without distributed
+        from fullshard.config import ShardingStrategy  # type: ignore[assignment]
+    return ShardingStrategy[name]
+
+
+def torch_cpu_offload(value: object) -> Any:
+    """What `strategy.cpu_offload` reports: the user's object when it is a `CPUOffload` (torch's
+    or ours), else torch's `CPUOffload(offload_params=bool(value))` (Lightning's rule)."""
+    if hasattr(value, "offload_params") and not isinstance(value, bool):
+        return value
+    try:
+        from torch.distributed.fsdp import CPUOffload
+    except ImportError:  # pragma: no cover - torch without distributed
+        from fullshard.config import CPUOffload  # type: ignore[assignment]
+    return CPUOffload(offload_params=bool(value))
+
+
+def torch_mixed_precision(param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                          buffer_dtype: torch.dtype) -> Any:
+    """torch's `MixedPrecision` with these dtypes and torch's defaults for the rest: what
+    Lightning's `FSDPPrecision.mixed_precision_config` returns for a precision string."""
+    try:
+        from torch.distributed.fsdp import MixedPrecision
+    except ImportError:  # pragma: no cover - torch without distributed
+        from fullshard.config import MixedPrecision  # type: ignore[assignment]
+    return MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                          buffer_dtype=buffer_dtype)
+
+
+def check_mesh_or_group(process_group: object, device_mesh: object) -> None:
+    """torch FSDP's `process_group` and `device_mesh` both say which ranks shard: one only."""
+    if process_group is not None and device_mesh is not None:
+        raise ValueError(
+            f"The arguments `FSDPStrategy(process_group=..., device_mesh=...)` are mutually "
+            f"exclusive (got process_group={process_group!r} and device_mesh="
+            f"{device_mesh!r}). Pass only one of them; fullshard takes the (replicate, "
+            f"shard) layout from device_mesh."
+        )
+
+
+# -- gradient clipping arguments ---------------------------------------------------------------
+def _positive_number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{name} must be a positive number (int or float), got "
+            f"{type(value).__name__} {value!r}"
+        )
+    value = float(value)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return value
+
+
+def check_max_norm(max_norm: object) -> float:
+    """`clip_gradients(max_norm=...)`: a finite number > 0 (a negative one would flip every
+    gradient, NaN would make them all NaN)."""
+    return _positive_number("clip_gradients(max_norm=...)", max_norm)
+
+
+def check_clip_val(clip_val: object) -> float:
+    """`clip_gradients(clip_val=...)`: a finite number > 0."""
+    return _positive_number("clip_gradients(clip_val=...)", clip_val)
+
+
+def check_norm_type(norm_type: object) -> float:
+    """`clip_gradients(norm_type=...)`: a p-norm order p >= 0 (0 counts non-zeros), or inf
+    (also spelled 'inf')."""
+    if isinstance(norm_type, str) and norm_type.strip().lower() in ("inf", "+inf"):
+        return math.inf
+    if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real):
+        raise ValueError(
+            f"clip_gradients(norm_type={norm_type!r}) is not supported: pass a number p >= 0 "
+            f"(the p-norm of the gradients, 2.0 by default) or float('inf') / 'inf' (the "
+            f"largest absolute value)."
+        )
+    value = float(norm_type)
+    if math.isnan(value) or value < 0:
+        raise ValueError(
+            f"clip_gradients(norm_type={norm_type!r}) must be a number >= 0 or inf."
+        )
+    return value
+
+
+def check_optimizers(optimizers: Sequence[object], what: str) -> None:
+    """Each must be a `torch.optim.Optimizer` (a string or a class is a mistake to name)."""
+    for i, opt in enumerate(optimizers):
+        if not isinstance(opt, Optimizer):
+            hint = (" (a class: instantiate it on the model's parameters)"
+                    if isinstance(opt, type) else "")
+            raise TypeError(
+                f"fabric.{what}(...) got {type(opt).__name__} {opt!r:.60} as optimizer "
+                f"{i + 1}{hint}; optimizers must be torch.optim.Optimizer instances built on "
+                f"the model's parameters, e.g. torch.optim.AdamW(model.parameters())."
+            )
+
+
+def check_raw_path(path: str | os.PathLike) -> None:
+    """Loading into a bare module (`load_raw`): a file, or a sharded checkpoint directory."""
+    from fullshard.checkpoint.sharded import is_checkpoint_dir
+
+    p = Path(os.fspath(path))
+    if p.is_dir() and not is_checkpoint_dir(p):
+        raise ValueError(
+            f"The given path must be a single file containing the full state dict (or a "
+            f"sharded checkpoint directory with meta.pt): {str(p)!r} is a directory that is "
+            f"not a checkpoint."
+        )
+
+
+def lightning_precision_name(value: object) -> str | None:
+    """The precision string of a Lightning `FSDPPrecision` passed as `FSDPStrategy(precision=
+    ...)`; None for any other object (Lightning's FSDP strategy takes no other plugin either)."""
+    if type(value).__name__ != "FSDPPrecision":
+        return None
+    name = getattr(value, "precision", None)
+    return name if isinstance(name, str) else None

@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from fullshard.distributed.environment import ClusterEnvironment
 from fullshard.launch import failures
@@ -91,10 +91,35 @@ def install_rank_hooks(global_rank: int, local_rank: int) -> None:
     sys.excepthook = hook
     parent = os.environ.get(_PARENT_PID_VAR)
     if parent and parent.isdigit() and int(parent) != os.getpid():
-        threading.Thread(
-            target=_watch_parent, args=(int(parent), global_rank), daemon=True,
-            name="fullshard-parent-watch",
-        ).start()
+        WatchThread(_watch_parent, int(parent), global_rank,
+                    name="fullshard-parent-watch").start()
+
+
+class WatchThread(threading.Thread):
+    """A daemon thread running `target(*args, stopped)` (`stopped`: a `threading.Event` it
+    polls), with `stop()`: set it and join. `FSDPStrategy.teardown` stops every live one, so
+    no watch thread outlives the run that started it (Lightning's test fixtures call `stop()`
+    on left-over daemon threads and then require them to be gone)."""
+
+    live: ClassVar[list[WatchThread]] = []
+
+    def __init__(self, target: Callable[..., None], *args: Any, name: str) -> None:
+        self.stopped = threading.Event()
+        super().__init__(target=target, args=(*args, self.stopped), daemon=True, name=name)
+        WatchThread.live.append(self)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.stopped.set()
+        if self is not threading.current_thread() and self.is_alive():
+            self.join(timeout)
+        if self in WatchThread.live:
+            WatchThread.live.remove(self)
+
+
+def stop_watch_threads() -> None:
+    """Stop and join every watch thread of this process (the run is over)."""
+    for thread in list(WatchThread.live):
+        thread.stop()
 
 
 _HOOKED_RANK: tuple[int, int] | None = None
@@ -129,8 +154,8 @@ def _launcher_gone() -> bool:
                 and os.getppid() != int(parent))
 
 
-def _watch_parent(parent_pid: int, global_rank: int) -> None:
-    while True:
+def _watch_parent(parent_pid: int, global_rank: int, stopped: threading.Event) -> None:
+    while not stopped.is_set():
         if os.getppid() != parent_pid:
             _say(
                 f"rank {global_rank} (pid {os.getpid()}): the launching process (local rank 0, "
@@ -139,7 +164,7 @@ def _watch_parent(parent_pid: int, global_rank: int) -> None:
             # A SIGKILLed launcher cleaned nothing up; its failure records have no reader.
             failures.remove_failure_directory(os.environ.get(failures.FAILURE_DIR_VAR))
             os._exit(1)
-        time.sleep(_POLL_S)
+        stopped.wait(_POLL_S)
 
 
 class SubprocessScriptLauncher:
@@ -203,7 +228,7 @@ class SubprocessScriptLauncher:
         os.environ.update(LOCAL_RANK="0", RANK=str(self._global_rank(0)))
         global _LAUNCHING_PARENT
         _LAUNCHING_PARENT = True
-        threading.Thread(target=self._watchdog, daemon=True, name="fullshard-watchdog").start()
+        WatchThread(self._watchdog, name="fullshard-watchdog").start()
         previous = sys.excepthook
 
         def note_failure(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
@@ -221,8 +246,8 @@ class SubprocessScriptLauncher:
                 return local_rank, proc, code
         return None
 
-    def _watchdog(self) -> None:
-        while not self._ending:
+    def _watchdog(self, stopped: threading.Event) -> None:
+        while not self._ending and not stopped.is_set():
             failed = self._failed_child()
             if failed is not None:
                 local_rank, proc, code = failed
@@ -230,7 +255,9 @@ class SubprocessScriptLauncher:
                     f"rank {self._global_rank(local_rank)} (local rank {local_rank}, pid "
                     f"{proc.pid}) {describe_exit(code)}; ending the other ranks."
                 )
-            time.sleep(_POLL_S)
+            if all(proc.poll() == 0 for _, proc in self.children):
+                return  # every child finished cleanly: nothing left to watch
+            stopped.wait(_POLL_S)
 
     def _end(self, message: str, status: int = 1) -> None:
         """Report, end every child, exit this process. Runs once."""

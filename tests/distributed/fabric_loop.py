@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import signal
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -148,6 +149,14 @@ def main() -> None:
     fabric = Fabric(accelerator="cpu", strategy=strategy, devices=devices,
                     num_nodes=args.num_nodes)
     fabric.launch(train, args)
+    if args.out:  # the run is over: no watch thread of the launcher may outlive teardown
+        watch = [t for t in threading.enumerate() if t.name.startswith("fullshard-")]
+        before = [[t.name, t.daemon, callable(getattr(t, "stop", None))] for t in watch]
+        fabric.barrier()
+        fabric.strategy.teardown()
+        after = [t.name for t in threading.enumerate() if t.name.startswith("fullshard-")]
+        with open(f"{args.out}.threads.{fabric.global_rank}", "w") as f:
+            json.dump({"before": before, "after": after}, f)
 
 
 if __name__ == "__main__":

@@ -69,6 +69,14 @@ def test_fabric_script_on_2_processes_matches_one(
                    "--state-dict-type", state_dict_type)
     assert_parity(got, reference)
     assert got["world_size"] == 2
+    # Fabric.launch()'s watch threads: stoppable daemons (Lightning's test fixtures stop
+    # left-over ones by `stop()`), and none left after the strategy's teardown.
+    for rank in (0, 1):
+        threads = json.loads((tmp_path / f"{strategy}.json.threads.{rank}").read_text())
+        assert all(daemon and stoppable for _, daemon, stoppable in threads["before"])
+        assert threads["after"] == [], threads
+    child = json.loads((tmp_path / f"{strategy}.json.threads.1").read_text())
+    assert [name for name, *_ in child["before"]] == ["fullshard-parent-watch"]
     calls = {k: v["calls"] for k, v in got["counts"].items()}
     if strategy == "NO_SHARD":
         assert got["mesh"] == [2, 1]

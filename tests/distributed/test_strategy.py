@@ -32,11 +32,12 @@ def test_bad_strategy_name_lists_valid_ones() -> None:
 def test_strategy_names_any_case_and_torch_enum() -> None:
     from torch.distributed.fsdp import ShardingStrategy as TorchSharding
 
-    assert FSDPStrategy(sharding_strategy="no_shard").sharding_strategy == "NO_SHARD"
-    assert FSDPStrategy(sharding_strategy=TorchSharding.SHARD_GRAD_OP).sharding_strategy == (
-        "SHARD_GRAD_OP"
+    # Reported as torch's enum, as Lightning does (more: tests/unit/test_fabric_api_units.py).
+    assert FSDPStrategy(sharding_strategy="no_shard").sharding_strategy is TorchSharding.NO_SHARD
+    assert FSDPStrategy(sharding_strategy=TorchSharding.SHARD_GRAD_OP).sharding_strategy is (
+        TorchSharding.SHARD_GRAD_OP
     )
-    assert FSDPStrategy().sharding_strategy == "FULL_SHARD"
+    assert FSDPStrategy().sharding_strategy.name == "FULL_SHARD"
 
 
 def test_mesh_without_hybrid() -> None:
@@ -72,10 +73,11 @@ def test_options_are_validated_and_stored() -> None:
 
     s = FSDPStrategy(cpu_offload=True, mixed_precision=TorchMP(param_dtype=torch.bfloat16),
                      precision="bf16-mixed", bucketing_strategy="block", prefetch_limit=2)
-    assert s.cpu_offload == fullshard.CPUOffload(offload_params=True)
+    assert s.cpu_offload == TorchOffload(offload_params=True)
+    assert s._cpu_offload == fullshard.CPUOffload(offload_params=True)  # what the engine gets
     assert s.mixed_precision_config.param_dtype == torch.bfloat16
     assert s.precision == "bf16-mixed"
-    assert FSDPStrategy(cpu_offload=TorchOffload(offload_params=False)).cpu_offload == (
+    assert FSDPStrategy(cpu_offload=TorchOffload(offload_params=False))._cpu_offload == (
         fullshard.CPUOffload(False)
     )
     assert FSDPStrategy(precision="16-true").mixed_precision_config.param_dtype == torch.float16
@@ -101,7 +103,7 @@ def test_fabric_argument_errors() -> None:
     with pytest.raises(ValueError, match=r"devices=0"):
         Fabric(accelerator="cpu", devices=0)
     fabric = Fabric(accelerator="cpu", strategy="ddp", devices=2)
-    assert fabric.strategy.sharding_strategy == "NO_SHARD"
+    assert fabric.strategy.sharding_strategy.name == "NO_SHARD"
     assert fabric.strategy.num_processes == 2 and fabric.world_size == 2
     with pytest.raises(ValueError, match=r"Only one of `clip_val` or `max_norm`"):
         fabric.clip_gradients(nn.Linear(1, 1), None, clip_val=1.0, max_norm=1.0)
@@ -214,7 +216,7 @@ def test_optimizer_validation(group2: DistributedGroup) -> None:
         assert "fabric.setup_module(model)" in before and "setup_optimizers" in before
         assert "already has state" in stepped
         assert "meta-device parameters" in meta
-        assert "needs a model set up by FSDPStrategy" in unwrapped
+        assert "a model set up by FSDPStrategy" in unwrapped
 
 
 def _collectives() -> dict:
