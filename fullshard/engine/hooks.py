@@ -96,6 +96,7 @@ from fullshard.config import ShardingPlan
 from fullshard.distributed import comm
 from fullshard.distributed.mesh import ShardMesh
 from fullshard.engine.bucket import Bucket, PendingReduction, issue_reductions
+from fullshard.engine.eager import EagerFn
 from fullshard.engine.precision import cast_floating
 from fullshard.engine.unit import BackwardDone, Unit, UnitState
 
@@ -171,6 +172,7 @@ class Runtime:
         self._grad_mode_task = -1  # task for which `_returns_grads` was decided
         self._returns_grads = False  # this task is torch.autograd.grad: return, don't write
         self._saved_hooks: Any = None
+        self._eager_pack, self._eager_unpack = EagerFn(self._pack_hook), EagerFn(self._unpack_hook)
         # id() of the exception being handled when the root forward began (id(None) if
         # none): an id, not a reference, so an OOM-retry loop's exception is not kept alive.
         self._forward_exc = id(None)
@@ -220,7 +222,7 @@ class Runtime:
         unit.install(self, with_grad=with_grad, pass_id=self.pass_id)
         if unit is self.root and self._wants_saved_tensor_hooks(with_grad, recomputing):
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(
-                self._pack_hook, self._unpack_hook
+                self._eager_pack.get(), self._eager_unpack.get()
             )
             self._saved_hooks.__enter__()
         dtype = self.input_dtypes.get(unit)
@@ -375,12 +377,11 @@ class Runtime:
 
     # -- ZeRO-3 saved tensors ---------------------------------------------------------------
     # Under torch.compile the hooks run eagerly: dynamo cannot trace storage pointers and
-    # would otherwise try (and recompile) on every tensor autograd saves.
-    @torch.compiler.disable
+    # would otherwise try (and recompile) on every tensor autograd saves. They are looked up
+    # at every root forward, disabled once dynamo is imported (eager.py).
     def _pack_hook(self, t: torch.Tensor) -> Any:
         return self._pack(t)
 
-    @torch.compiler.disable
     def _unpack_hook(self, saved: Any) -> torch.Tensor:
         return self._unpack(saved)
 
