@@ -209,3 +209,10 @@ def test_replacing_a_parameter_after_wrapping_is_caught(world1, replace):
     replace(model)
     with pytest.raises(RuntimeError, match=r"Parameter '.*' was replaced after fullshard.fsdp"):
         model(torch.randn(2, 4, dtype=next(model.parameters()).dtype))
+
+
+def test_strategy_passes_reshard_after_forward_to_the_engine(world1):
+    strategy = fullshard.FSDPStrategy(accelerator="cpu", reshard_after_forward=True)
+    model = strategy.setup_module(_model())
+    plan = model.fullshard_runtime.plan
+    assert (plan.reshard_after_forward, plan.reshard_root_after_forward) == (True, True)
