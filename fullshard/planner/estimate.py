@@ -35,8 +35,8 @@ compute (gather) and reduce dtype sizes, on a `(R, S)` mesh:
                                               comm.COALESCE_BYTES) whole to every peer:
                                               L * r * (R - 1), the same on two ranks
 
-i.e. about `(3 * Psi - Psi_root) * (N - 1) / N` words for ZeRO-3 and `2 * Psi * (N - 1) / N` for ZeRO-2 and
-NO_SHARD; bf16 gathers halve the all-gather part.
+i.e. about `(3 * Psi - Psi_root) * (N - 1) / N` words for ZeRO-3 and `2 * Psi * (N - 1) / N`
+for ZeRO-2 and NO_SHARD; bf16 gathers halve the all-gather part.
 """
 
 from __future__ import annotations
