@@ -10,7 +10,11 @@ with the model's default units (its blocks), AdamW, and `--strategy` (FULL_SHARD
 - `eager`: `fullshard.fsdp(model)`;
 - `compiled`: `fullshard.fsdp(torch.compile(model, backend=--backend))` (litgpt's order: the
   compiled model is unwrapped, sharded and compiled again with the same options);
-- `compiled-units`: each block `torch.compile`d, then sharded (torchtitan's order).
+- `compiled-units`: each block `torch.compile`d, then sharded (torchtitan's order);
+- `ddp-eager` / `ddp-compiled`: torch DDP on the same model, eager and
+  `torch.compile(DDP(model))` (what Fabric does with a compiled model): the gain compile gives
+  a model whose code all compiles, against which fullshard's gain is measured (issue 22: the
+  ratio compiled / eager within 5% of DDP's).
 
 Per step each rank times forward + loss + backward + optimizer step; the first `--warmup`
 steps (which include compilation) are not timed; a step's time is the max over ranks, and a
@@ -37,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-VARIANTS = ("eager", "compiled", "compiled-units")
+VARIANTS = ("eager", "compiled", "compiled-units", "ddp-eager", "ddp-compiled")
 
 
 def _train(variant: str, config: str, strategy: str, backend: str, steps: int,
@@ -59,7 +63,14 @@ def _train(variant: str, config: str, strategy: str, backend: str, steps: int,
     elif variant == "compiled-units":
         for i, block in enumerate(model.blocks):
             model.blocks[i] = torch.compile(block, backend=backend)
-    model = fullshard.fsdp(model, device="cpu", sharding_strategy=strategy)
+    if variant.startswith("ddp"):
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
+        if variant == "ddp-compiled":
+            model = torch.compile(model, backend=backend)
+    else:
+        model = fullshard.fsdp(model, device="cpu", sharding_strategy=strategy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     pool = data_pool(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -77,6 +88,34 @@ def _train(variant: str, config: str, strategy: str, backend: str, steps: int,
     return {"times": times[warmup:], "losses": losses, "graphs_after_warmup": graphs[warmup - 1]
             if warmup else 0, "graphs_at_end": graphs[-1],
             "graph_breaks": sum(counters["graph_break"].values())}
+
+
+def _spread(xs: list[float]) -> tuple[float, float, float] | None:
+    return (statistics.median(xs), min(xs), max(xs)) if xs else None
+
+
+def _fmt(s: tuple[float, float, float] | None) -> str:
+    return "-" if s is None else f"{s[0]:.3f} [{s[1]:.3f}-{s[2]:.3f}]"
+
+
+def _gains(runs: dict[str, list[dict[str, Any]]]) -> dict[str, tuple[Any, Any]]:
+    """Per compiled variant: compiled / eager median step time within each rep, and that
+    over DDP's compiled / eager of the same rep."""
+    def med(variant: str, rep: int) -> float:
+        return statistics.median(runs[variant][rep]["step_times"])
+
+    reps = min(len(v) for v in runs.values()) if runs else 0
+    out: dict[str, tuple[Any, Any]] = {}
+    ddp = None
+    if "ddp-eager" in runs and "ddp-compiled" in runs:
+        ddp = [med("ddp-compiled", i) / med("ddp-eager", i) for i in range(reps)]
+        out["ddp-compiled"] = (_spread(ddp), None)
+    for variant in ("compiled", "compiled-units"):
+        if variant in runs and "eager" in runs:
+            gain = [med(variant, i) / med("eager", i) for i in range(reps)]
+            over = [g / d for g, d in zip(gain, ddp)] if ddp else []
+            out[variant] = (_spread(gain), _spread(over))
+    return out
 
 
 def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -134,21 +173,29 @@ def main() -> None:
         }
         rows.append(row)
     base = next((r["median_step_s"] for r in rows if r["variant"] == "eager"), None)
+    medians = {r["variant"]: r["median_step_s"] for r in rows}
+    gains = _gains(runs)
     lines = [
         f"# fullshard eager vs torch.compile ({datetime.date.today().isoformat()})", "",
         f"config {args.config}, {args.strategy}, {args.nproc} ranks x {args.threads} thread(s),"
         f" backend {args.backend}, {args.steps} steps ({args.warmup} untimed) x {args.reps} "
         f"reps, load average at start {os.getloadavg()[0]:.2f}", "",
-        "| variant | median step s | / eager | graphs after warm-up / at end | graph breaks |"
+        "| variant | median step s | / its eager | graphs after warm-up / at end | graph breaks |"
         " max loss diff vs eager |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
-        ratio = f"{r['median_step_s'] / base:.2f}" if base else "-"
+        own = medians.get("ddp-eager") if r["variant"].startswith("ddp") else base
+        ratio = f"{r['median_step_s'] / own:.2f}" if own else "-"
         diff = "-" if r["max_loss_diff_vs_eager"] is None else f"{r['max_loss_diff_vs_eager']:.1e}"
         lines.append(f"| {r['variant']} | {r['median_step_s']:.4f} | {ratio} | "
                      f"{r['graphs_after_warmup']} / {r['graphs_at_end']} | {r['graph_breaks']} |"
                      f" {diff} |")
+    lines += ["", "Compile gain (compiled / eager, each against its own eager; per rep, "
+              "median [min-max]) and fullshard's gain over DDP's (target <= 1.05):", "",
+              "| variant | compiled / eager | / DDP's compiled / eager |", "|---|---|---|"]
+    for variant, (gain, over_ddp) in gains.items():
+        lines.append(f"| {variant} | {_fmt(gain)} | {_fmt(over_ddp)} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.no_record:

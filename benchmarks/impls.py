@@ -17,12 +17,16 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
+from gpt import GPTConfig, param_count
 from torch import nn
 
 LR = 1e-3
 FULLSHARD_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 BUCKETINGS = ("NONE", "LAYER", "BLOCK")
-FSDP2_REFERENCE = "fsdp2-reshard"
+FSDP2_REFERENCE = "fsdp2-default"
+"""The FSDP2 row an implementation is compared with unless it names its own (`Impl.fsdp2`):
+like with like, fullshard's default against FSDP2's default (both keep the root gathered
+into backward), `reshard_after_forward=True` against True, SHARD_GRAD_OP against False."""
 DDP_REFERENCE = "ddp"
 LOSS_REFERENCES = ("single-t1", "single-t2")
 """Loss reference: the first of these that ran."""
@@ -42,15 +46,42 @@ class Impl:
     sharded_state: bool
     """Analytic model state per rank: 16*Psi/N if True, else 16*Psi (AdamW, fp32)."""
     options: dict = field(default_factory=dict)
+    root_gathered_once: bool = False
+    """ZeRO-3 that keeps the root gathered into backward: one all-gather fewer of the root's
+    parameters than `comm_words` counts (see `analytic_comm_words`)."""
+    fsdp2: str = FSDP2_REFERENCE
+    """The FSDP2 implementation this one's "/ FSDP2" ratio is taken against."""
+
+
+def root_numel(cfg: GPTConfig) -> int:
+    """Parameters of the root unit (embeddings, final norm, head): what is not in a block."""
+    d, v = cfg.dim, cfg.vocab
+    return v * d + cfg.seq * d + 2 * d + d * v
+
+
+def analytic_comm_words(impl: Impl, cfg: GPTConfig) -> float:
+    """Ring bytes per rank and step are this * Psi*(N-1)/N * 4."""
+    if not impl.root_gathered_once:
+        return impl.comm_words
+    return impl.comm_words - root_numel(cfg) / param_count(cfg)
 
 
 def _fullshard_impls() -> list[Impl]:
     words = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 2}
+    fsdp2 = {"FULL_SHARD": "fsdp2-default", "SHARD_GRAD_OP": "fsdp2-noreshard",
+             "NO_SHARD": FSDP2_REFERENCE}
     return [
         Impl(f"fullshard-{s.lower()}-{b.lower()}", "fullshard", f"fullshard {s}, bucketing {b}",
              nproc=2, threads=1, comm_words=words[s], sharded_state=s != "NO_SHARD",
-             options={"sharding_strategy": s, "bucketing_strategy": b})
+             options={"sharding_strategy": s, "bucketing_strategy": b},
+             root_gathered_once=s == "FULL_SHARD", fsdp2=fsdp2[s])
         for s in FULLSHARD_STRATEGIES for b in BUCKETINGS
+    ] + [  # the root released after forward too, against FSDP2's True
+        Impl("fullshard-full_shard_reshard-block", "fullshard",
+             "fullshard FULL_SHARD, reshard_after_forward=True, bucketing BLOCK", nproc=2,
+             threads=1, comm_words=3, sharded_state=True, fsdp2="fsdp2-reshard",
+             options={"sharding_strategy": "FULL_SHARD", "bucketing_strategy": "BLOCK",
+                      "reshard_after_forward": True})
     ] + [  # the engine's own cost: one process, a group of one, against single-t1
         Impl(f"fullshard-ws1-{b.lower()}", "fullshard",
              f"fullshard FULL_SHARD, world size 1, bucketing {b}", nproc=1, threads=1,
@@ -67,10 +98,15 @@ IMPLS: list[Impl] = [
          comm_words=0, sharded_state=False),
     Impl("ddp", "ddp", "torch DDP (all_reduce comm hook)", nproc=2, threads=1, comm_words=2,
          sharded_state=False),
+    Impl("fsdp2-default", "fsdp2", "torch FSDP2, reshard_after_forward=None (all but the root)",
+         nproc=2, threads=1, comm_words=3, sharded_state=True, root_gathered_once=True,
+         options={"reshard_after_forward": None}),
     Impl("fsdp2-reshard", "fsdp2", "torch FSDP2, reshard_after_forward=True", nproc=2,
-         threads=1, comm_words=3, sharded_state=True, options={"reshard_after_forward": True}),
+         threads=1, comm_words=3, sharded_state=True, options={"reshard_after_forward": True},
+         fsdp2="fsdp2-reshard"),
     Impl("fsdp2-noreshard", "fsdp2", "torch FSDP2, reshard_after_forward=False", nproc=2,
-         threads=1, comm_words=2, sharded_state=True, options={"reshard_after_forward": False}),
+         threads=1, comm_words=2, sharded_state=True, options={"reshard_after_forward": False},
+         fsdp2="fsdp2-noreshard"),
     Impl("deepspeed-z3", "deepspeed", "DeepSpeed ZeRO-3 (true ZeRO-3 knobs, no clipping)",
          nproc=2, threads=1, comm_words=3, sharded_state=True),
     *_fullshard_impls(),
@@ -148,7 +184,7 @@ def _fsdp2(impl: Impl, model: nn.Module, world: int) -> Trainer:
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
-    reshard = impl.options["reshard_after_forward"]
+    reshard = impl.options["reshard_after_forward"]  # None: every block resharded, not the root
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)

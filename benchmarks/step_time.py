@@ -3,7 +3,7 @@
     python benchmarks/step_time.py                          # configs A and B, 3 reps, everything
     python benchmarks/step_time.py --config S               # the latency-bound config (or `all`)
     python benchmarks/step_time.py --config A --steps 4 --warmup 1 --reps 1     # quick check
-    python benchmarks/step_time.py --impls 'fullshard-full_shard-*' fsdp2-reshard ddp
+    python benchmarks/step_time.py --impls 'fullshard-full_shard*' 'fsdp2-*' ddp  # like with like
     python benchmarks/step_time.py --list                   # the implementations
 
 Each measurement is one fresh launch of `bench_worker.py`: 2 ranks on gloo through

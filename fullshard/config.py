@@ -7,6 +7,7 @@ by `resolve_sharding_strategy`, so the engine never sees the many spellings.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
@@ -48,15 +49,45 @@ class FSDPBucketingStrategy(enum.Enum):
 class ShardingPlan:
     """What a strategy means to the engine.
 
-    `reshard_after_forward` is the ZeRO-3 / ZeRO-2 switch; `hybrid` asks for a 2-D
-    (replicate, shard) mesh and `no_shard` for the `(N, 1)` mesh. The mesh itself is chosen
-    once the world size is known (`fullshard.distributed.mesh`).
+    `reshard_after_forward` is the ZeRO-3 / ZeRO-2 switch for every unit but the root;
+    `reshard_root_after_forward` releases the root after its forward too. The root's backward
+    runs first, so releasing it only to gather it again at once costs one exposed exchange;
+    by default it stays gathered into backward (FSDP2's `reshard_after_forward=None`, see
+    `with_reshard_after_forward`). `hybrid` asks for a 2-D (replicate, shard) mesh and
+    `no_shard` for the `(N, 1)` mesh. The mesh itself is chosen once the world size is known
+    (`fullshard.distributed.mesh`).
     """
 
     name: str
     reshard_after_forward: bool
     no_shard: bool = False
     hybrid: bool = False
+    reshard_root_after_forward: bool = False
+
+    def with_reshard_after_forward(self, value: bool | None) -> ShardingPlan:
+        """This plan with FSDP2's `reshard_after_forward` applied.
+
+        None keeps the strategy's meaning (FULL_SHARD / HYBRID_SHARD / ZERO3: every unit but
+        the root; the others: none). True releases every unit after its forward, the root
+        included; False keeps every unit gathered until its backward (ZeRO-2's schedule).
+        True on a strategy that keeps parameters gathered is a contradiction (ValueError).
+        """
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(
+                f"reshard_after_forward must be True, False or None, got "
+                f"{type(value).__name__}: {value!r}"
+            )
+        if value is None:
+            return self
+        if value and not self.reshard_after_forward:
+            raise ValueError(
+                f"reshard_after_forward=True asks to release parameters after forward, but "
+                f"sharding_strategy {self.name!r} keeps them gathered until backward. Use "
+                f"FULL_SHARD (or HYBRID_SHARD) with reshard_after_forward=True, or drop it."
+            )
+        return dataclasses.replace(
+            self, reshard_after_forward=value, reshard_root_after_forward=value
+        )
 
 
 _PLANS = {

@@ -16,19 +16,23 @@ break) where they issue collectives.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import nn
 
-try:
-    from torch._dynamo.eval_frame import OptimizedModule
-except ImportError:  # pragma: no cover - torch built without dynamo
-    OptimizedModule = None  # type: ignore[assignment,misc]
-
 
 def is_compiled(module: object) -> bool:
-    return OptimizedModule is not None and isinstance(module, OptimizedModule)
+    # An OptimizedModule exists only once torch._dynamo is imported; importing it costs ~3 s,
+    # so a process that never compiles never does (see engine/eager.py).
+    if "torch._dynamo" not in sys.modules:
+        return False
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:  # pragma: no cover - torch built without dynamo
+        return False
+    return isinstance(module, OptimizedModule)
 
 
 def unwrap_compiled(module: nn.Module) -> tuple[nn.Module, Callable[[nn.Module], nn.Module]]:

@@ -56,6 +56,7 @@ def fsdp(
     device: torch.device | str | int | None = None,
     broadcast_from: int | None = None,
     sharding_strategy: FSDPType | str | object = FSDPType.ZERO2,
+    reshard_after_forward: bool | None = None,
     bucketing_strategy: FSDPBucketingStrategy | str = FSDPBucketingStrategy.NONE,
     move_state_dict_to_cpu: bool | None = None,
     auto_wrap_policy: object = None,
@@ -80,6 +81,11 @@ def fsdp(
             each rank receives only its own shard (one scatter per bucket).
         sharding_strategy: `FSDPType.ZERO3` / `ZERO2`, or a `ShardingStrategy` (also torch's)
             or its name: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD.
+        reshard_after_forward: FSDP2's: None (default) keeps the strategy's schedule --
+            ZeRO-3 (FULL_SHARD, HYBRID_SHARD) releases every unit but the root after its
+            forward, the root staying gathered into backward, which runs it first; True
+            releases the root too; False keeps every unit gathered until its backward (ZeRO-2's
+            schedule). True with a strategy that keeps parameters gathered is a ValueError.
         bucketing_strategy: `FSDPBucketingStrategy` NONE (a collective per parameter), LAYER
             (per leaf module) or BLOCK (per unit), or its name.
         move_state_dict_to_cpu: default of `full_state_dict(cpu_offload=...)` and of
@@ -125,6 +131,7 @@ def fsdp(
             f"fullshard. Wrap the original, unwrapped model exactly once."
         )
     plan = resolve_sharding_strategy(sharding_strategy)
+    plan = plan.with_reshard_after_forward(reshard_after_forward)
     bucketing = resolve_bucketing_strategy(bucketing_strategy)
     for name, value in (("prefetch_limit", prefetch_limit),
                         ("max_pending_reductions", max_pending_reductions)):

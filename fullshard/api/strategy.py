@@ -119,7 +119,8 @@ class FSDPStrategy(RankPlacement):
         device_mesh: HYBRID_SHARD only: `(replicate, shard)` with product == world size, or a
             2-D `DeviceMesh`. Default for HYBRID_SHARD: (nodes, ranks per node).
         **kwargs: engine options of `fullshard.fsdp`: bucketing_strategy, prefetch_limit,
-            max_pending_reductions, broadcast_from, move_state_dict_to_cpu; and torch
+            max_pending_reductions, broadcast_from, move_state_dict_to_cpu,
+            reshard_after_forward (FSDP2's True / False / None); and torch
             `FullyShardedDataParallel`'s other keywords (meanings: `strategy_args`, README).
     """
 
@@ -146,6 +147,7 @@ class FSDPStrategy(RankPlacement):
         self._engine_kwargs, self._torch_options = check_engine_kwargs(kwargs)
 
         self._plan = resolve_sharding_strategy(sharding_strategy)
+        self._plan.with_reshard_after_forward(self._engine_kwargs.get("reshard_after_forward"))
         if device_mesh is not None:
             if not self._plan.hybrid:
                 raise ValueError(

@@ -34,6 +34,7 @@ ENGINE_OPTIONS = (
     "max_pending_reductions",
     "broadcast_from",
     "move_state_dict_to_cpu",
+    "reshard_after_forward",
 )
 
 # [Note: torch FSDP's keywords]
@@ -129,6 +130,12 @@ def check_engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], TorchFS
     engine = {k: v for k, v in kwargs.items() if k in ENGINE_OPTIONS}
     if "bucketing_strategy" in engine:
         resolve_bucketing_strategy(engine["bucketing_strategy"])
+    reshard = engine.get("reshard_after_forward")
+    if reshard is not None and not isinstance(reshard, bool):
+        raise TypeError(
+            f"FSDPStrategy(reshard_after_forward=...) must be True, False or None, got "
+            f"{type(reshard).__name__}: {reshard!r}"
+        )
     for name in ("prefetch_limit", "max_pending_reductions"):
         value = engine.get(name, 1)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:

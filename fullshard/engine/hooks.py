@@ -59,6 +59,21 @@ This only works because the tensors handed to modules are views of the tracked b
 copies (see bucket.py). Only the root pushes the hooks: the innermost hooks win and ours
 handle every unit.
 
+[Note: the root stays gathered]
+The root's forward encloses every other unit's, so the root is gathered for the whole forward
+anyway, and its backward (the head, the final norm) runs first. Releasing it after forward
+only to gather it again at once is an exposed exchange that nothing can hide, so by default
+(FSDP2's `reshard_after_forward=None`; `plan.reshard_root_after_forward` False) the root is
+not released by its post-hook: ZeRO-3 gathers every other unit twice per step and the root
+once. Its lifetime: gathered from its pre-hook until its own `GatheredParams.backward` (its
+gradients complete, i.e. near the end of backward, its embedding being the first layer) or
+the end-of-backward callback releases it, which is no longer than with True, where backward
+gathers it again first and holds it to the same point; the peak is the same. Its saved
+tensors are still packed as tokens (the hooks do not tell units apart); unpacking finds it
+gathered and gathers nothing. A forward with gradients that no backward follows leaves the
+root gathered until the next step reuses it (as ZeRO-2 leaves every unit); `release_all`,
+`zero_grad` after a failed step and a load drop it.
+
 [Note: recomputation]
 Activation checkpointing reruns unit forwards *inside* backward. There the pre-hook gathers as
 usual but records no order, prefetches nothing, pushes no saved-tensor hooks (checkpoint's own
@@ -84,6 +99,7 @@ from fullshard.config import ShardingPlan
 from fullshard.distributed import comm
 from fullshard.distributed.mesh import ShardMesh
 from fullshard.engine.bucket import Bucket, PendingReduction, issue_reductions
+from fullshard.engine.eager import EagerFn
 from fullshard.engine.precision import cast_floating
 from fullshard.engine.unit import BackwardDone, Unit, UnitState
 
@@ -159,6 +175,7 @@ class Runtime:
         self._grad_mode_task = -1  # task for which `_returns_grads` was decided
         self._returns_grads = False  # this task is torch.autograd.grad: return, don't write
         self._saved_hooks: Any = None
+        self._eager_pack, self._eager_unpack = EagerFn(self._pack_hook), EagerFn(self._unpack_hook)
         # id() of the exception being handled when the root forward began (id(None) if
         # none): an id, not a reference, so an OOM-retry loop's exception is not kept alive.
         self._forward_exc = id(None)
@@ -211,7 +228,7 @@ class Runtime:
             unit.install(self, with_grad=with_grad, pass_id=self.pass_id)
         if unit is self.root and self._wants_saved_tensor_hooks(with_grad, recomputing):
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(
-                self._pack_hook, self._unpack_hook
+                self._eager_pack.get(), self._eager_unpack.get()
             )
             self._saved_hooks.__enter__()
         dtype = self.input_dtypes.get(unit)
@@ -276,12 +293,16 @@ class Runtime:
             # handled when it started, e.g. by an OOM-retry loop's `except` block).
             self._forward_failed()
             return
-        if self._release_after_forward(unit):
-            self._release(unit)
-            if unit is self.root:  # and any unit prefetched that this forward did not run
-                for u in self.units:
+        if unit is self.root:
+            if self._release_after_forward(unit, self.plan.reshard_root_after_forward):
+                self._release(unit)
+            # Where the other units reshard: any prefetched that this forward did not run.
+            if self._release_after_forward(unit, self.plan.reshard_after_forward):
+                for u in self.units[1:]:
                     if u.is_gathered or u.state is UnitState.GATHERING:
                         self._release(u)
+        elif self._release_after_forward(unit, self.plan.reshard_after_forward):
+            self._release(unit)
 
     def _forward_failed(self) -> None:
         """Release every unit (waiting for prefetches in flight) after a forward raised: no
@@ -319,14 +340,16 @@ class Runtime:
             and self.mesh.shard.size > 1
         )
 
-    def _release_after_forward(self, unit: Unit) -> bool:
+    def _release_after_forward(self, unit: Unit, reshard: bool) -> bool:
+        """Release `unit` after its forward? `reshard`: the plan's choice for it (see the
+        note on the root)."""
         if _in_backward():
             return False  # recomputation: backward is using the unit
         if not torch.is_grad_enabled() or not unit.trainable_params:
             return True  # no GatheredParams.backward will come to release it
         if not self.sync_gradients:
             return False  # no_sync keeps units gathered until the synced backward
-        return self.plan.reshard_after_forward
+        return reshard
 
     def _gather_ahead(self, unit: Unit, order: list[Unit], pos: int, limit: int) -> None:
         """Have `unit` gathered or in flight, and prefetch what follows it in `order` (the
@@ -371,12 +394,11 @@ class Runtime:
 
     # -- ZeRO-3 saved tensors ---------------------------------------------------------------
     # Under torch.compile the hooks run eagerly: dynamo cannot trace storage pointers and
-    # would otherwise try (and recompile) on every tensor autograd saves.
-    @torch.compiler.disable
+    # would otherwise try (and recompile) on every tensor autograd saves. They are looked up
+    # at every root forward, disabled once dynamo is imported (eager.py).
     def _pack_hook(self, t: torch.Tensor) -> Any:
         return self._pack(t)
 
-    @torch.compiler.disable
     def _unpack_hook(self, saved: Any) -> torch.Tensor:
         return self._unpack(saved)
 

@@ -33,6 +33,7 @@ from fullshard.distributed import comm
 from fullshard.distributed.mesh import ShardMesh
 from fullshard.engine.bucket import Bucket
 from fullshard.engine.checkpointing import apply_activation_checkpointing
+from fullshard.engine.eager import register_unit_hooks
 from fullshard.engine.hooks import Runtime
 from fullshard.engine.ignored import Ignored
 from fullshard.engine.layout import ShardLayout
@@ -120,14 +121,13 @@ def shard_module(
     )
     runtime.units_description = unit_choice.describe()
     # Under torch.compile the hooks run eagerly (they issue collectives and swap tensors):
-    # one clean graph break at each, instead of dynamo tracing into them and breaking inside.
-    eager = torch.compiler.disable
+    # one clean graph break at each, instead of dynamo tracing into them and breaking inside
+    # (disabled when dynamo is imported, not before: eager.py).
     for unit in units:
-        unit.module.register_forward_pre_hook(
-            eager(functools.partial(runtime.pre_forward, unit)), prepend=True, with_kwargs=True
-        )
-        unit.module.register_forward_hook(
-            eager(functools.partial(runtime.post_forward, unit)), always_call=True
+        register_unit_hooks(
+            unit.module,
+            functools.partial(runtime.pre_forward, unit),
+            functools.partial(runtime.post_forward, unit),
         )
     install_full_precision_casts(model, mixed_precision)
     apply_activation_checkpointing(model, activation_checkpointing_policy, runtime)

@@ -23,7 +23,8 @@ pairwise algorithms send `B * (n - 1) / n` of a `B`-byte all-gather or reduce-sc
 compute (gather) and reduce dtype sizes, on a `(R, S)` mesh:
 
     all-gather      g * L * c * (S - 1)       g = 2 under ZeRO-3 (forward, and again for
-                                              backward), 1 under ZeRO-2; 0 when S == 1
+                                              backward) but 1 for the root (kept gathered
+                                              into backward), 1 under ZeRO-2; 0 if S == 1
     reduce-scatter  L * r * (S - 1)           trainable buckets, S > 1, NCCL; gloo sends
                                               each peer its real rows straight from the
                                               gradients, no padding: (numel - its own
@@ -34,8 +35,8 @@ compute (gather) and reduce dtype sizes, on a `(R, S)` mesh:
                                               comm.COALESCE_BYTES) whole to every peer:
                                               L * r * (R - 1), the same on two ranks
 
-i.e. about `3 * Psi * (N - 1) / N` words for ZeRO-3 and `2 * Psi * (N - 1) / N` for ZeRO-2 and
-NO_SHARD; bf16 gathers halve the all-gather part.
+i.e. about `(3 * Psi - Psi_root) * (N - 1) / N` words for ZeRO-3 and `2 * Psi * (N - 1) / N`
+for ZeRO-2 and NO_SHARD; bf16 gathers halve the all-gather part.
 """
 
 from __future__ import annotations
@@ -188,8 +189,10 @@ def comm_bytes(
     """
     replicate, shard = mesh
     out = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
-    gathers = 2 if reshard_after_forward else 1
-    for unit in structure.units:
+    for i, unit in enumerate(structure.units):
+        # ZeRO-3 gathers a unit again for backward; the root stays gathered into backward
+        # (engine/hooks.py, the note on the root), so it is gathered once.
+        gathers = 2 if reshard_after_forward and i > 0 else 1
         for b in unit.buckets:
             _, compute, reduce = precision.dtypes(b)
             flat = b.padded_shard_numel(shard)

@@ -3,8 +3,9 @@
 What is checked here, each with its own numbers:
 
 - collectives per step, by kind, count and bytes, against the analytic algorithm (§2.4):
-  ZeRO-3 = 2 all-gathers + 1 reduce-scatter per bucket, ZeRO-2 = 1 + 1, NO_SHARD = 1
-  all-reduce; BLOCK < LAYER < NONE;
+  ZeRO-3 = 2 all-gathers + 1 reduce-scatter per bucket of every unit but the root, which stays
+  gathered into backward (1 + 1; `reshard_after_forward=True` releases it too: 2 + 1),
+  ZeRO-2 = 1 + 1, NO_SHARD = 1 all-reduce; BLOCK < LAYER < NONE;
 - unsharded memory (§2.5): nothing between steps, ZeRO-3 holds about one unit (plus prefetch),
   ZeRO-2 everything; each rank stores ceil(d0/N) rows per parameter;
 - frozen, unused, twice-called and tied parameters; buffers; `no_sync` accumulation;
@@ -199,11 +200,13 @@ def _calls() -> dict[str, int]:
 def _buckets(model: nn.Module) -> list[dict]:
     """Every bucket with its unit, parameter names and analytic padded size."""
     out = []
-    for unit in model.fullshard_runtime.units:
+    runtime = model.fullshard_runtime
+    for unit in runtime.units:
         for b in unit.buckets:
             out.append(
                 {
                     "unit": unit.name,
+                    "root": unit is runtime.root,
                     "params": [p.fqn for p in b.params],
                     "padded_numel": sum(p.layout.padded_numel for p in b.params),
                     "numel": sum(p.layout.numel for p in b.params),
@@ -251,21 +254,34 @@ def _assert_close_to_ref(model: nn.Module, ref: nn.Module, what: str = "grad") -
 
 
 # == 1. collectives per step =================================================================
-def _count_step(strategy: str, bucketing: str) -> dict:
+def _gathers(strategy: str, bucket: dict, reshard: bool | None = None) -> int:
+    """All-gathers per step of one bucket: ZeRO-3 gathers it in forward and again for
+    backward, except the root's (kept gathered into backward) unless reshard=True."""
+    if strategy != "ZERO3" or reshard is False:
+        return 1
+    return 1 if bucket["root"] and reshard is None else 2
+
+
+def _count_step(strategy: str, bucketing: str, reshard: bool | None = None) -> dict:
     ref, model = _wrap(
         _tiny_gpt4,
         sharding_strategy=strategy,
         bucketing_strategy=bucketing,
         auto_wrap_policy={Block},
+        reshard_after_forward=reshard,
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(1)
     steps = []
     for _ in range(3):  # step 0 records the order; later steps prefetch by it
         x, y = ref.make_batch(2 * dist.get_world_size(), gen)
         steps.append(_one_step(model, x, y, 2))
-        opt.step()
-        opt.zero_grad()
+        ref.loss(x, y).backward()
+        _assert_close_to_ref(model, ref)  # whichever units stay gathered
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
     n_leaf_modules_with_params = (
         sum(1 for m in ref.modules() if any(True for _ in m.parameters(recurse=False))) - 1
     )  # `head` holds only the weight tied to `tok`, which LAYER buckets with `tok`
@@ -279,13 +295,15 @@ def _count_step(strategy: str, bucketing: str) -> dict:
     }
 
 
-_COUNTS_CACHE: dict[tuple[str, str], dict] = {}
+_COUNTS_CACHE: dict[tuple[str, str, bool | None], dict] = {}
 
 
-def _counts(group2: DistributedGroup, strategy: str, bucketing: str) -> dict:
-    key = (strategy, bucketing)
+def _counts(
+    group2: DistributedGroup, strategy: str, bucketing: str, reshard: bool | None = None
+) -> dict:
+    key = (strategy, bucketing, reshard)
     if key not in _COUNTS_CACHE:
-        _COUNTS_CACHE[key] = group2.run(_count_step, strategy, bucketing)[0]
+        _COUNTS_CACHE[key] = group2.run(_count_step, strategy, bucketing, reshard)[0]
     return _COUNTS_CACHE[key]
 
 
@@ -322,9 +340,10 @@ def test_collectives_per_step_match_the_algorithm(group2, strategy, bucketing):
             assert stats["all_reduce"]["wire_bytes"] == nbytes["all_reduce"]
         else:
             assert s == 2
-            gathers = 2 if strategy == "ZERO3" else 1
-            expected_calls = {"all_gather": gathers * n, "reduce_scatter": n, "all_reduce": 0}
-            assert nbytes["all_gather"] == gathers * padded_bytes, f"step {step}"
+            gathers = sum(_gathers(strategy, b) for b in buckets)
+            gathered = sum(_gathers(strategy, b) * b["padded_numel"] for b in buckets) * F32
+            expected_calls = {"all_gather": gathers, "reduce_scatter": n, "all_reduce": 0}
+            assert nbytes["all_gather"] == gathered, f"step {step}"
             assert nbytes["reduce_scatter"] == padded_bytes, f"step {step}"
             # each rank sends (N-1)/N of an all-gather (the ring optimum); a reduce-scatter
             # sends each peer its real rows straight from the gradients: rank 0 sends rank
@@ -351,20 +370,24 @@ def test_bucketing_orders_collective_counts(group2, strategy):
 def test_counts_table(group2):
     """The per-step table (printed; run with -s to see it), asserted as a whole so a
     regression shows the full table in the diff. Bytes: 13,872 fp32 elements, 13,888 padded
-    to 2 ranks (the 37-row embedding gets one zero row of 16)."""
+    to 2 ranks (the 37-row embedding gets one zero row of 16). The root (tok 38 x 16, pos
+    8 x 16, ln_f 2 x 16: 768 padded elements, 3,072 bytes, in 4 parameters / 3 leaf modules)
+    is gathered once under ZeRO-3 by default, twice with reshard_after_forward=True."""
     table = {}
-    for strategy in STRATEGIES:
-        for bucketing in BUCKETINGS:
-            info = _counts(group2, strategy, bucketing)
-            stats = info["steps"][-1]["stats"]
-            table[(strategy, bucketing)] = (
-                len(info["buckets"]),
-                stats["all_gather"]["calls"],
-                stats["reduce_scatter"]["calls"],
-                stats["all_reduce"]["calls"],
-                stats["all_gather"]["bytes"],
-                stats["reduce_scatter"]["bytes"] + stats["all_reduce"]["bytes"],
-            )
+    cases = [(s, b, None) for s in STRATEGIES for b in BUCKETINGS]
+    cases += [("ZERO3", b, True) for b in BUCKETINGS] + [("ZERO3", "BLOCK", False)]
+    for strategy, bucketing, reshard in cases:
+        info = _counts(group2, strategy, bucketing, reshard)
+        stats = info["steps"][-1]["stats"]
+        label = strategy if reshard is None else f"{strategy}/{reshard}"
+        table[(label, bucketing)] = (
+            len(info["buckets"]),
+            stats["all_gather"]["calls"],
+            stats["reduce_scatter"]["calls"],
+            stats["all_reduce"]["calls"],
+            stats["all_gather"]["bytes"],
+            stats["reduce_scatter"]["bytes"] + stats["all_reduce"]["bytes"],
+        )
     print("\nTinyGPT(layers=4), {Block} units, 2 ranks, one step:")
     print(
         "strategy  bucketing buckets  all_gather  reduce_scatter  all_reduce  AG bytes"
@@ -375,11 +398,17 @@ def test_counts_table(group2):
             f"{strategy:9} {bucketing:9} {row[0]:7} {row[1]:11} {row[2]:15} {row[3]:11}"
             f" {row[4]:9} {row[5]:13}"
         )
-    z3, z2, ddp = (2 * 55552, 55552), (55552, 55552), (0, 55488)
+    root = 3072
+    z3, z3_root, z2 = (2 * 55552 - root, 55552), (2 * 55552, 55552), (55552, 55552)
+    ddp = (0, 55488)
     assert table == {
-        ("ZERO3", "NONE"): (52, 104, 52, 0, *z3),
-        ("ZERO3", "LAYER"): (27, 54, 27, 0, *z3),
-        ("ZERO3", "BLOCK"): (5, 10, 5, 0, *z3),
+        ("ZERO3", "NONE"): (52, 104 - 4, 52, 0, *z3),
+        ("ZERO3", "LAYER"): (27, 54 - 3, 27, 0, *z3),
+        ("ZERO3", "BLOCK"): (5, 10 - 1, 5, 0, *z3),
+        ("ZERO3/True", "NONE"): (52, 104, 52, 0, *z3_root),
+        ("ZERO3/True", "LAYER"): (27, 54, 27, 0, *z3_root),
+        ("ZERO3/True", "BLOCK"): (5, 10, 5, 0, *z3_root),
+        ("ZERO3/False", "BLOCK"): (5, 5, 5, 0, *z2),
         ("ZERO2", "NONE"): (52, 52, 52, 0, *z2),
         ("ZERO2", "LAYER"): (27, 27, 27, 0, *z2),
         ("ZERO2", "BLOCK"): (5, 5, 5, 0, *z2),
@@ -522,15 +551,16 @@ def _batched_exchanges(coalesce_blocks: int) -> dict:
 def test_small_units_exchange_together_with_the_same_collectives(group2):
     """Units below comm.COALESCE_BYTES are gathered (and reduced) several per exchange: the
     counted collectives stay the algorithm's (2 all-gathers + 1 reduce-scatter per unit
-    under ZeRO-3), far fewer messages go out, and the gathered peak follows the budget."""
+    under ZeRO-3, the root gathered once), far fewer messages go out, and the gathered peak
+    follows the budget."""
     alone = group2.run(_batched_exchanges, 1)[0]  # one unit per exchange
     batched = group2.run(_batched_exchanges, 3)[0]
     root, block = batched["root"], batched["block"]
     for one, many in zip(alone["steps"][1:], batched["steps"][1:]):  # warm steps
         assert many["calls"] == one["calls"]
-        assert one["calls"]["all_gather"] == 10 and one["calls"]["reduce_scatter"] == 5
-        # one message per unit and peer for each of 15 collectives, folded headers included
-        assert one["sends"] == 15
+        assert one["calls"]["all_gather"] == 9 and one["calls"]["reduce_scatter"] == 5
+        # one message per unit and peer for each of 14 collectives, folded headers included
+        assert one["sends"] == 14
         # forward: root + 2 blocks, then 2 blocks; backward the same; reductions: 2 batches
         assert many["sends"] <= 8, many
         # the running block and a window of 3 blocks' bytes per rank, beside the root
@@ -570,16 +600,22 @@ def test_no_shard_sums_small_units_in_one_exchange(group2):
         assert native["sends"] == 5  # one header message per unit, the data through gloo
 
 
-def _retained_after_forward(strategy: str, bucketing: str) -> tuple[int, int]:
+def _retained_after_forward(
+    strategy: str, bucketing: str, reshard: bool | None = None
+) -> tuple[int, ...]:
     """How many of the unsharded buffers gathered during forward, and of the tensors the
     modules were handed in place of their parameters, are still alive (held by anyone: the
-    engine, or autograd's saved tensors) once forward has returned."""
+    engine, or autograd's saved tensors) once forward has returned. By default the root
+    stays gathered into backward (by design): its buffers are not watched, and the tracked
+    bytes come back beside the root's gathered bytes."""
     ref, model = _wrap(
         StackNet,
         sharding_strategy=strategy,
         bucketing_strategy=bucketing,
         auto_wrap_policy={BigBlock},
+        reshard_after_forward=reshard,
     )
+    runtime = model.fullshard_runtime
     seen: list[weakref.ref] = []
     installed: list[weakref.ref] = []
 
@@ -596,7 +632,8 @@ def _retained_after_forward(strategy: str, bucketing: str) -> tuple[int, int]:
 
         return hook
 
-    for unit in model.fullshard_runtime.units:
+    watched = runtime.units[1:] if reshard is None and strategy == "ZERO3" else runtime.units
+    for unit in watched:
         unit.module.register_forward_pre_hook(grab(unit))
     x, y = ref.make_batch(4 * dist.get_world_size(), torch.Generator().manual_seed(2))
     loss = model.loss(_local(x, 4), _local(y, 4))
@@ -604,8 +641,10 @@ def _retained_after_forward(strategy: str, bucketing: str) -> tuple[int, int]:
     alive_installed = sum(r() is not None for r in installed)
     # The engine's accounting follows buffer lifetimes, so it must agree with the weakrefs.
     tracked = fullshard.memory_stats()["unsharded_param_bytes"]
+    root = runtime.root
+    root_gathered = sum(b.unsharded.nbytes for b in root.buckets if b.unsharded is not None)
     loss.backward()
-    return alive, len(seen), alive_installed, len(installed), tracked
+    return alive, len(seen), alive_installed, len(installed), tracked, root_gathered
 
 
 @pytest.mark.parametrize("bucketing", ["NONE", "BLOCK"])
@@ -616,14 +655,22 @@ def test_zero3_keeps_no_unsharded_buffer_alive_for_backward(group2, bucketing):
     buffer tells, after forward, whether autograd (or the engine) still holds it."""
     n_params = 2 * 2 + 4 * 3 * 2  # root: LayerNorm + head; 4 blocks of 3 Linears
     n_buckets = {"NONE": n_params, "BLOCK": 5}[bucketing]
-    z3 = group2.run(_retained_after_forward, "ZERO3", bucketing)[0]
-    alive, gathered, alive_views, views, tracked = z3
+    root_buckets = {"NONE": 4, "BLOCK": 1}[bucketing]
+    # reshard_after_forward=True: every unit, the root included, is released after forward.
+    z3 = group2.run(_retained_after_forward, "ZERO3", bucketing, True)[0]
+    alive, gathered, alive_views, views, tracked, root = z3
     assert (gathered, views) == (n_buckets, n_params)  # each gathered once in forward
     assert alive == 0, f"{alive} of {gathered} gathered buffers outlive forward"
     # also catches handing modules *copies* (then the buffers die but the copies live on)
     assert alive_views == 0, f"{alive_views} of {views} unsharded parameters outlive forward"
-    assert tracked == 0, f"memory_stats counts {tracked} unsharded bytes alive after forward"
-    alive, gathered, _, _, tracked = group2.run(_retained_after_forward, "ZERO2", bucketing)[0]
+    assert tracked == root == 0, f"memory_stats counts {tracked} unsharded bytes after forward"
+    # The default: the same for every unit but the root, which alone stays gathered.
+    z3 = group2.run(_retained_after_forward, "ZERO3", bucketing)[0]
+    alive, gathered, alive_views, views, tracked, root = z3
+    assert (gathered, views) == (n_buckets - root_buckets, n_params - 4)
+    assert alive == alive_views == 0, z3
+    assert tracked == root > 0, z3
+    alive, gathered, _, _, tracked, _ = group2.run(_retained_after_forward, "ZERO2", bucketing)[0]
     assert alive == gathered == n_buckets  # ZeRO-2 keeps them, by design
     assert tracked > 0
 
@@ -733,9 +780,8 @@ def test_frozen_params_get_no_grad_and_no_reduction(group2, strategy, bucketing)
     trainable = [b for b in buckets if b["requires_grad"]]
     assert len(trainable) < len(buckets)
     stats = info["stats"]
-    gathers = 2 if strategy == "ZERO3" else 1
     # frozen buckets are gathered (the forward needs them) but never reduced
-    assert stats["all_gather"]["calls"] == gathers * len(buckets)
+    assert stats["all_gather"]["calls"] == sum(_gathers(strategy, b) for b in buckets)
     assert stats["reduce_scatter"]["calls"] == len(trainable)
     assert stats["reduce_scatter"]["bytes"] == sum(b["padded_numel"] for b in trainable) * F32
     assert info["memory"]["unsharded_param_bytes"] == info["memory"]["unsharded_grad_bytes"] == 0
@@ -913,6 +959,7 @@ def _no_sync(strategy: str, bucketing: str) -> dict:
         "per_step": per_step,
         "after": {k: v["calls"] for k, v in after["stats"].items()},
         "buckets": len(_buckets(model)),
+        "root_buckets": sum(b["root"] for b in _buckets(model)),
     }
 
 
@@ -922,7 +969,7 @@ def _no_sync(strategy: str, bucketing: str) -> dict:
 )
 def test_no_sync_accumulation_equals_one_big_batch(group2, strategy, bucketing):
     info = group2.run(_no_sync, strategy, bucketing)[0]
-    n = info["buckets"]
+    n, root = info["buckets"], info["root_buckets"]
     sharded = strategy != "NO_SHARD"
     for calls in info["per_step"]:
         first, second, synced = calls
@@ -937,9 +984,9 @@ def test_no_sync_accumulation_equals_one_big_batch(group2, strategy, bucketing):
         # 2nd: everything is still gathered, nothing is reduced: no collective at all
         assert sum(second.values()) == 0, second
         # synced: one reduction per bucket; ZeRO-3 re-gathers once for backward (forward found
-        # the units still gathered), ZeRO-2 needs no gather
+        # the units still gathered) every unit but the root, ZeRO-2 needs no gather
         assert synced == {
-            "all_gather": n if strategy == "ZERO3" else 0,
+            "all_gather": n - root if strategy == "ZERO3" else 0,
             "reduce_scatter": n if sharded else 0,
             "all_reduce": 0 if sharded else n,
             "broadcast": 0,
@@ -947,7 +994,7 @@ def test_no_sync_accumulation_equals_one_big_batch(group2, strategy, bucketing):
         }
     after = info["after"]
     if strategy == "ZERO3":
-        assert (after["all_gather"], after["reduce_scatter"]) == (2 * n, n)
+        assert (after["all_gather"], after["reduce_scatter"]) == (2 * n - root, n)
 
 
 # == 9. broadcast_from ========================================================================

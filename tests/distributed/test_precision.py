@@ -185,8 +185,9 @@ def _bytes_per_step(precision: str) -> dict:
 def test_bf16_gathers_exactly_half_the_bytes_of_fp32(group2: DistributedGroup) -> None:
     fp32 = group2.run(_bytes_per_step, "32-true")[0]
     bf16 = group2.run(_bytes_per_step, "bf16-mixed")[0]
-    # ZeRO-3, 3 units (2 blocks + root), BLOCK buckets: 2 gathers and 1 reduction per unit.
-    assert fp32["all_gather"][0] == bf16["all_gather"][0] == 6
+    # ZeRO-3, 3 units (2 blocks + root), BLOCK buckets: 2 gathers and 1 reduction per unit,
+    # the root gathered once (it stays gathered into backward).
+    assert fp32["all_gather"][0] == bf16["all_gather"][0] == 5
     assert fp32["reduce_scatter"][0] == bf16["reduce_scatter"][0] == 3
     assert bf16["all_gather"][1] * 2 == fp32["all_gather"][1] > 0
     assert bf16["reduce_scatter"][1] * 2 == fp32["reduce_scatter"][1] > 0

@@ -60,6 +60,38 @@ def test_strategy_of_the_wrong_type(world1):
         fullshard.fsdp(_model(), device="cpu", sharding_strategy=3)
 
 
+@pytest.mark.parametrize("bad", ["yes", 1, 0.0])
+def test_reshard_after_forward_takes_a_bool_or_none(world1, bad):
+    with pytest.raises(TypeError, match=r"reshard_after_forward must be True, False or None"):
+        fullshard.fsdp(_model(), device="cpu", reshard_after_forward=bad)
+    with pytest.raises(TypeError, match=r"FSDPStrategy\(reshard_after_forward=\.\.\.\) must"):
+        fullshard.FSDPStrategy(reshard_after_forward=bad)
+
+
+@pytest.mark.parametrize("strategy", ["SHARD_GRAD_OP", "ZERO2", "NO_SHARD"])
+def test_reshard_after_forward_true_contradicts_a_keeping_strategy(world1, strategy):
+    match = rf"reshard_after_forward=True .* sharding_strategy '{strategy}' keeps them"
+    with pytest.raises(ValueError, match=match):
+        fullshard.fsdp(_model(), device="cpu", sharding_strategy=strategy,
+                       reshard_after_forward=True)
+    with pytest.raises(ValueError, match=match):
+        fullshard.FSDPStrategy(sharding_strategy=strategy, reshard_after_forward=True)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "reshard", "expected"),  # (other units, root) released after forward
+    [("FULL_SHARD", None, (True, False)), ("FULL_SHARD", True, (True, True)),
+     ("FULL_SHARD", False, (False, False)), ("HYBRID_SHARD", None, (True, False)),
+     ("SHARD_GRAD_OP", None, (False, False)), ("SHARD_GRAD_OP", False, (False, False))],
+)
+def test_reshard_after_forward_reaches_the_engine(world1, strategy, reshard, expected):
+    model = fullshard.fsdp(_model(), device="cpu", sharding_strategy=strategy,
+                           reshard_after_forward=reshard,
+                           device_mesh=(1, 1) if strategy == "HYBRID_SHARD" else None)
+    plan = model.fullshard_runtime.plan
+    assert (plan.reshard_after_forward, plan.reshard_root_after_forward) == expected
+
+
 def test_unknown_bucketing_lists_the_valid_ones(world1):
     with pytest.raises(
         ValueError,
@@ -307,3 +339,10 @@ def test_clip_grad_norm_refuses_what_would_flip_or_nan_the_gradients(world1, kwa
     norm = fullshard.clip_grad_norm_(model, float("inf"))
     assert torch.allclose(norm, torch.linalg.vector_norm(torch.cat([g.flatten() for g in before])))
     assert all(torch.equal(g, p.grad) for g, p in zip(before, model.parameters()))
+
+
+def test_strategy_passes_reshard_after_forward_to_the_engine(world1):
+    strategy = fullshard.FSDPStrategy(accelerator="cpu", reshard_after_forward=True)
+    model = strategy.setup_module(_model())
+    plan = model.fullshard_runtime.plan
+    assert (plan.reshard_after_forward, plan.reshard_root_after_forward) == (True, True)
