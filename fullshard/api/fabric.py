@@ -391,13 +391,17 @@ class Fabric:
         self.barrier()
 
     def load(self, path: str | os.PathLike, state: dict[str, Any] | None = None,
-             strict: bool = True, *, weights_only: bool | None = None) -> dict[str, Any]:
+             strict: bool = True, *, weights_only: bool | None = None,
+             allow_symlinks: bool = False) -> dict[str, Any]:
         """Load a checkpoint into `state` in place (models, optimizers, stateful objects and
         plain values); return the checkpoint's entries `state` did not ask for.
         `weights_only=False` unpickles objects other than tensors and plain values, which can
-        run code from the file: only for files you trust (None, the default, means True)."""
+        run code from the file: only for files you trust (None, the default, means True).
+        `allow_symlinks=True` lets a sharded checkpoint follow symlinks inside its directory
+        (refused by default, so a load reads nothing outside it)."""
         remainder = self._strategy.load_checkpoint(path, state, strict=strict,
-                                                   weights_only=_weights_only(weights_only))
+                                                   weights_only=_weights_only(weights_only),
+                                                   allow_symlinks=allow_symlinks)
         self.barrier()
         return remainder
 

@@ -565,17 +565,21 @@ class FSDPStrategy:
         state: dict[str, Any] | nn.Module | None = None,
         strict: bool = True,
         weights_only: bool | None = None,
+        *,
+        allow_symlinks: bool = False,
     ) -> dict[str, Any]:
         """Load a checkpoint (either format, detected from disk; any world size) into `state`
         in place; return the checkpoint's entries that `state` did not ask for. Collective.
         Files are read without running code from them unless `weights_only=False` (only for
-        files you trust); None means True."""
+        files you trust); None means True. Every file is checked against its checksums, and a
+        sharded checkpoint reads only files inside its directory (`allow_symlinks=True` lets
+        it follow symlinks there)."""
         from fullshard.checkpoint import load_checkpoint
 
         timeout = self._timeout.total_seconds() if self._timeout is not None else 1800.0
         with uncompiled_entries(state) as state:
             return load_checkpoint(path, state, strict=strict, timeout=timeout,
-                                   weights_only=weights_only)
+                                   weights_only=weights_only, allow_symlinks=allow_symlinks)
 
     def __repr__(self) -> str:
         return (

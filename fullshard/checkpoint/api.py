@@ -38,8 +38,7 @@ from typing import Any
 
 from torch import nn
 
-from fullshard.checkpoint import atomic, full, objects, safe_load, sharded
-from fullshard.checkpoint.errors import CheckpointError
+from fullshard.checkpoint import atomic, full, integrity, objects, safe_load, sharded
 from fullshard.checkpoint.objects import Filter
 from fullshard.distributed import comm
 
@@ -94,6 +93,7 @@ def _save_full(target: Path, tmp: Path, token: str, state: Mapping[str, Any],
                 f"The checkpoint path {str(target)!r} is a directory that is not a checkpoint; "
                 f"a full checkpoint is one file. Choose another path."
             )
+        atomic.refuse_foreign(target, directory=False)
         shape = _structure(state)
         local = full.local_entries(state)
     except Exception as e:
@@ -104,9 +104,11 @@ def _save_full(target: Path, tmp: Path, token: str, state: Mapping[str, Any],
         if rank0:
             atomic.remove_stale(target)
             target.parent.mkdir(parents=True, exist_ok=True)
+            open(tmp, "xb").close()
+            atomic.claim(tmp)
             atomic.save_file(ckpt, tmp)
     except Exception as e:
-        error = e
+        error = integrity.no_space(e, target, tmp)
     del ckpt
     _finish(target, tmp, token, group, error, rank0)
 
@@ -124,23 +126,29 @@ def _save_sharded(target: Path, tmp: Path, token: str, state: Mapping[str, Any],
                 f"The checkpoint path {str(target)!r} is a non-empty directory that is not a "
                 f"checkpoint; saving would replace it. Choose another path."
             )
+        atomic.refuse_foreign(target, directory=True)
         flat, meta, shape = sharded.plan(state, filter)
         if rank0:
             atomic.remove_stale(target)
             tmp.mkdir(parents=True)
+            atomic.claim(tmp)
     except Exception as e:
         error = e
     _agree_on(group, error, shape, "save_checkpoint (preparing)")
     try:
-        sharded.write(tmp, flat, group)  # collective; a failure raises on every rank
-        if rank0:
-            sharded.finish_meta(tmp, meta)
+        sums = sharded.write(tmp, flat, group)  # collective; a failure raises on every rank
     except BaseException as e:
-        if isinstance(e, CheckpointError):
-            if rank0:
-                atomic.remove(tmp)
+        if rank0:
+            atomic.remove(tmp)
+        clear = integrity.no_space(e, target, tmp) if isinstance(e, Exception) else e
+        if clear is e:
             raise
-        error = e
+        raise clear from None
+    try:
+        if rank0:  # rank 0 only: the other ranks learn of a failure in `_finish`
+            sharded.finish_meta(tmp, meta, sums)
+    except Exception as e:
+        error = integrity.no_space(e, target, tmp)
     _finish(target, tmp, token, group, error, rank0)
 
 
@@ -218,6 +226,7 @@ def load_checkpoint(
     strict: bool = True,
     timeout: float = DEFAULT_TIMEOUT,
     weights_only: bool | None = None,
+    allow_symlinks: bool = False,
 ) -> dict[str, Any]:
     """Load the checkpoint at `path` (format detected from disk) into `state` in place and
     return its entries that `state` did not ask for. Collective.
@@ -231,8 +240,17 @@ def load_checkpoint(
     (its weights only), or None (returns the whole checkpoint as a full-format dict; for a
     sharded checkpoint every rank then reads all of it). `strict=False` tolerates keys missing
     on either side and warns about them.
+
+    Every file is checked against the checksums saved with it (`integrity`; a checkpoint
+    without them loads with a warning) and a sharded checkpoint reads only files inside its
+    directory: a symlink there is refused unless `allow_symlinks=True`.
     """
     weights_only = safe_load.resolve(weights_only)
+    if not isinstance(allow_symlinks, bool):
+        raise TypeError(
+            f"allow_symlinks must be True or False (the default: refuse symlinks inside a "
+            f"sharded checkpoint); got {type(allow_symlinks).__name__}: {allow_symlinks!r}"
+        )
     group = atomic.world()
     _guard(group, "load_checkpoint", timeout)
     path = _shared_path(path, group)
@@ -257,7 +275,7 @@ def load_checkpoint(
 
         return to_full(path, weights_only=weights_only)
     if isinstance(state, nn.Module):
-        return _load_module_only(path, fmt, state, strict, group, weights_only)
+        return _load_module_only(path, fmt, state, strict, group, weights_only, allow_symlinks)
     if not isinstance(state, dict):
         raise TypeError(
             f"load_checkpoint(state=...) takes a dict of the objects to restore, a module, or "
@@ -265,23 +283,27 @@ def load_checkpoint(
         )
     if fmt == "full":
         return full.load(full.read(path, weights_only), state, strict, path)
-    meta = sharded.read_meta(path, weights_only)
-    return sharded.load(path, meta, state, strict, group, weights_only)
+    meta = sharded.read_meta(path, weights_only, allow_symlinks=allow_symlinks)
+    return sharded.load(path, meta, state, strict, group, weights_only,
+                        allow_symlinks=allow_symlinks)
 
 
 def _load_module_only(path: Path, fmt: str, module: nn.Module, strict: bool,
-                      group: comm.Group | None, weights_only: bool) -> dict[str, Any]:
+                      group: comm.Group | None, weights_only: bool,
+                      allow_symlinks: bool) -> dict[str, Any]:
     """`state` is one module (Lightning's `load_raw(path, module)`): its weights only."""
     if fmt == "sharded":
-        meta = sharded.read_meta(path, weights_only)
-        saved = sharded.entries(sharded.read_index(path, weights_only))
+        meta = sharded.read_meta(path, weights_only, allow_symlinks=allow_symlinks)
+        saved = sharded.entries(sharded.read_index(path, weights_only,
+                                                   allow_symlinks=allow_symlinks))
         keys = [k for k, v in saved.items() if sharded.kind_of_entry(v) == objects.MODULE]
         if len(keys) != 1:
             raise ValueError(
                 f"The checkpoint {str(path)!r} holds {len(keys)} modules ({keys}); pass "
                 f"state={{key: module}} to say which to load."
             )
-        sharded.load(path, meta, {keys[0]: module}, strict, group, weights_only)
+        sharded.load(path, meta, {keys[0]: module}, strict, group, weights_only,
+                     allow_symlinks=allow_symlinks)
         return {}
     ckpt = full.read(path, weights_only)
     candidates = [k for k, v in ckpt.items() if isinstance(v, Mapping)]
