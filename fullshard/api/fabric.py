@@ -370,8 +370,12 @@ class Fabric:
         return self._strategy.no_backward_sync(module, enabled)
 
     def save(self, path: str | os.PathLike, state: dict[str, Any],
-             filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
-        """Save a checkpoint; every rank must call it (it is collective)."""
+             filter: dict[str, Callable[[str, Any], bool]] | None = None, *,
+             async_save: bool = False) -> Any:
+        """Save a checkpoint; every rank must call it (it is collective). `async_save=True`
+        returns a handle as soon as the state is copied and writes the files in the
+        background: `handle.wait()` returns when it is in place; the next save or load waits
+        for it (see `fullshard.checkpoint.background`)."""
         if filter is not None:
             if not isinstance(filter, dict):
                 raise TypeError(f"Filter should be a dictionary, given {filter!r}")
@@ -387,8 +391,10 @@ class Fabric:
                         f"Expected `fabric.save(filter=...)` for key {k!r} to be a callable, "
                         f"given {fn!r}"
                     )
-        self._strategy.save_checkpoint(path, state, filter=filter)
+        handle = self._strategy.save_checkpoint(path, state, filter=filter,
+                                                async_save=async_save)
         self.barrier()
+        return handle
 
     def load(self, path: str | os.PathLike, state: dict[str, Any] | None = None,
              strict: bool = True, *, weights_only: bool | None = None,

@@ -536,7 +536,9 @@ class FSDPStrategy:
         state: dict[str, Any],
         storage_options: Any = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
-    ) -> None:
+        *,
+        async_save: bool = False,
+    ) -> Any:
         """Save `state` ({'model': model, 'optimizer': opt, ...}) in `state_dict_type`'s format.
 
         **Collective: every rank must call it** (not only under `if rank == 0:`); a call made
@@ -545,6 +547,8 @@ class FSDPStrategy:
         plus `meta.pt`, loadable on any world size or strategy; 'full': one file written by
         rank 0 (original names, optimizer state keyed by parameter name). Written under a
         temporary name and renamed into place once complete. See `fullshard.checkpoint`.
+        `async_save=True` returns a handle (`.wait()`) while the files are written in the
+        background (`fullshard.checkpoint.background`); None otherwise.
         """
         from fullshard.checkpoint import save_checkpoint
 
@@ -556,8 +560,9 @@ class FSDPStrategy:
         # How long the call waits for the other ranks to call it too: the group's timeout.
         timeout = self._timeout.total_seconds() if self._timeout is not None else 1800.0
         with uncompiled_entries(state) as state:
-            save_checkpoint(path, state, state_dict_type=self._state_dict_type, filter=filter,
-                            timeout=timeout)
+            done = save_checkpoint(path, state, state_dict_type=self._state_dict_type,
+                                   filter=filter, timeout=timeout, async_save=async_save)
+        return done if async_save else None
 
     def load_checkpoint(
         self,

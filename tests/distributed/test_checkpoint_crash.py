@@ -65,11 +65,11 @@ def _save_and_die(root: str, when: str) -> None:
 
     rank = dist.get_rank()
     s = cc.strategy(state_dict_type="full" if when == "full-mid-file" else "sharded")
-    model, opt, _ = _model_at(2, s)
+    model, opt, sched = _model_at(2, s)
     write_data = FileSystemWriter.write_data
 
     def writer(self, plan, planner):  # type: ignore[no-untyped-def]
-        if when == "rank1-before-its-file" and rank == 1:
+        if when in ("rank1-before-its-file", "async-mid-write") and rank == 1:
             _die()
         fut = write_data(self, plan, planner)
         fut.wait()
@@ -98,7 +98,11 @@ def _save_and_die(root: str, when: str) -> None:
 
         atomic.save_file = half_then_die
     target = "target.pt" if when == "full-mid-file" else "target"
-    s.save_checkpoint(f"{root}/{target}", {"model": model, "optimizer": opt})
+    handle = s.save_checkpoint(f"{root}/{target}", {"model": model, "optimizer": opt},
+                               async_save=when == "async-mid-write")
+    if handle is not None:  # returned at once; rank 1 dies in the background write
+        cc.train(model, opt, sched, 1)
+        handle.wait()
 
 
 def _weights(path: Path) -> dict:
@@ -112,7 +116,7 @@ def _same(a: dict, b: dict) -> bool:
 
 
 WHEN = ("rank1-before-its-file", "after-rank0-file", "before-rename", "between-renames",
-        "full-mid-file")
+        "full-mid-file", "async-mid-write")
 
 
 def test_sigkill_during_save_loses_nothing(group2: DistributedGroup, tmp_path) -> None:
@@ -313,6 +317,17 @@ def _fill_disk(root: str) -> list[str]:
             out.append("saved")
         except Exception as e:
             out.append(f"{type(e).__name__}: {e}")
+    # In the background: the error comes at the next save, once.
+    handle = s.save_checkpoint(f"{root}/small/sharded", {"model": model, "optimizer": opt,
+                                                         "big": torch.ones(2 ** 19)},
+                               async_save=True)
+    for _ in range(2):
+        try:
+            s.save_checkpoint(f"{root}/small/sharded", {"model": model})
+            out.append("saved")
+        except Exception as e:
+            out.append(f"{type(e).__name__}: {e}")
+    out.append(repr(handle))
     return out
 
 
@@ -326,11 +341,40 @@ def test_a_full_disk_says_no_space_and_keeps_the_previous(group2, tmp_path) -> N
         pytest.skip("needs to mount a 1 MB tmpfs (root)")
     try:
         for out in group2.run(_fill_disk, str(tmp_path)):
-            for text, fmt in zip(out, ("sharded", "full")):
+            for text, fmt in zip(out, ("sharded", "full", "sharded")):
                 assert "No space left on device" in text and f"small/{fmt}" in text, text
+            assert out[3:] == ["saved", f"AsyncSave({str(small / 'sharded')!r}, failed)"]
         model = TinyGPT(layers=2)
         for fmt in ("sharded", "full"):
             load_checkpoint(small / fmt, {"model": model})  # the previous one, complete
         assert sorted(p.name for p in small.iterdir()) == ["full", "sharded"]
     finally:
         subprocess.run(["umount", str(small)], check=False)
+
+
+# -- asynchronous saves (issue 25, item 2) -----------------------------------------------------
+def _async_saves(root: str) -> dict:
+    out: dict = {}
+    for fmt in ("sharded", "full"):
+        s = cc.strategy(state_dict_type=fmt)
+        model, opt, sched = _model_at(1, s)
+        state = {"model": model, "optimizer": opt, "scheduler": sched, "step": 1}
+        before = fullshard.full_state_dict(model)
+        first = s.save_checkpoint(f"{root}/{fmt}-1", state, async_save=True)
+        cc.train(model, opt, sched, 1)  # training goes on while the files are written
+        second = s.save_checkpoint(f"{root}/{fmt}-2", state, async_save=True)
+        out[f"{fmt} one in flight"] = first.done()  # the second save waited for the first
+        after = fullshard.full_state_dict(model)
+        assert second.wait() == Path(f"{root}/{fmt}-2") and first.wait() == Path(f"{root}/{fmt}-1")
+        for name, want in (("1", before), ("2", after)):
+            fresh, fresh_opt, fresh_sched = cc.build("gpt", s, seed=3)
+            s.load_checkpoint(f"{root}/{fmt}-{name}", {"model": fresh, "optimizer": fresh_opt})
+            got = fullshard.full_state_dict(fresh)
+            out[f"{fmt}-{name}"] = all(torch.equal(got[k], v) for k, v in want.items())
+    return out
+
+
+def test_async_save_writes_the_state_of_the_call(group2, tmp_path) -> None:
+    for out in group2.run(_async_saves, str(tmp_path)):
+        assert out == {f"{fmt}{what}": True for fmt in ("sharded", "full")
+                       for what in (" one in flight", "-1", "-2")}, out

@@ -264,3 +264,33 @@ def test_load_full_state_dict_rejects_what_is_not_a_state_dict(world1, bad) -> N
         fullshard.load_full_state_dict(model, bad)
     with pytest.raises(TypeError, match=r"state_dict\['weight'\] must be a tensor; got str"):
         fullshard.load_full_state_dict(model, {"weight": "x", "bias": torch.zeros(2)})
+
+
+def test_process_exit_waits_for_an_async_save(tmp_path) -> None:
+    """A script that ends right after `save_checkpoint(async_save=True)` still leaves the
+    complete checkpoint: exit waits for the background write."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, time\n"
+        "from torch.distributed.checkpoint import FileSystemWriter\n"
+        "from fullshard.checkpoint import save_checkpoint\n"
+        "write = FileSystemWriter.write_data\n"
+        "def slow(self, plan, planner):\n"
+        "    time.sleep(1.0)\n"  # the write is certainly still running when the script ends
+        "    return write(self, plan, planner)\n"
+        "FileSystemWriter.write_data = slow\n"
+        "torch.manual_seed(0)\n"
+        f"save_checkpoint({str(tmp_path / 'ckpt')!r}, {{'model': torch.nn.Linear(8, 4)}},\n"
+        "                async_save=True)\n"
+    )
+    env = {**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    torch.manual_seed(0)
+    expected, loaded = nn.Linear(8, 4), nn.Linear(8, 4)
+    nn.init.zeros_(loaded.weight)
+    load_checkpoint(tmp_path / "ckpt", {"model": loaded})
+    assert torch.equal(loaded.weight, expected.weight)
