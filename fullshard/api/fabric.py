@@ -379,8 +379,12 @@ class Fabric:
         return self._strategy.no_backward_sync(module, enabled)
 
     def save(self, path: str | os.PathLike, state: dict[str, Any],
-             filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
-        """Save a checkpoint; every rank must call it (it is collective)."""
+             filter: dict[str, Callable[[str, Any], bool]] | None = None, *,
+             async_save: bool = False) -> Any:
+        """Save a checkpoint; every rank must call it (it is collective). `async_save=True`
+        returns a handle as soon as the state is copied and writes the files in the
+        background: `handle.wait()` returns when it is in place; the next save or load waits
+        for it (see `fullshard.checkpoint.background`)."""
         if filter is not None:
             if not isinstance(filter, dict):
                 raise TypeError(f"Filter should be a dictionary, given {filter!r}")
@@ -396,18 +400,24 @@ class Fabric:
                         f"Expected `fabric.save(filter=...)` for key {k!r} to be a callable, "
                         f"given {fn!r}"
                     )
-        self._strategy.save_checkpoint(path, state, filter=filter)
+        handle = self._strategy.save_checkpoint(path, state, filter=filter,
+                                                async_save=async_save)
         self.barrier()
+        return handle
 
     def load(self, path: str | os.PathLike, state: dict[str, Any] | None = None,
-             strict: bool = True, *, weights_only: bool | None = None) -> dict[str, Any]:
+             strict: bool = True, *, weights_only: bool | None = None,
+             allow_symlinks: bool = False) -> dict[str, Any]:
         """Load a checkpoint into `state` in place (models, optimizers, stateful objects and
         plain values); return the checkpoint's entries `state` did not ask for (with
         `state=None` or `{}`: the whole checkpoint, as one full-format dict).
         `weights_only=False` unpickles objects other than tensors and plain values, which can
-        run code from the file: only for files you trust (None, the default, means True)."""
+        run code from the file: only for files you trust (None, the default, means True).
+        `allow_symlinks=True` lets a sharded checkpoint follow symlinks inside its directory
+        (refused by default, so a load reads nothing outside it)."""
         remainder = self._strategy.load_checkpoint(path, state, strict=strict,
-                                                   weights_only=_weights_only(weights_only))
+                                                   weights_only=_weights_only(weights_only),
+                                                   allow_symlinks=allow_symlinks)
         self.barrier()
         return remainder
 

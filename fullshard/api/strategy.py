@@ -460,7 +460,9 @@ class FSDPStrategy(RankPlacement):
         state: dict[str, Any],
         storage_options: Any = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
-    ) -> None:
+        *,
+        async_save: bool = False,
+    ) -> Any:
         """Save `state` ({'model': model, 'optimizer': opt, ...}) in `state_dict_type`'s format.
 
         **Collective: every rank must call it** (not only under `if rank == 0:`); a call made
@@ -469,6 +471,8 @@ class FSDPStrategy(RankPlacement):
         plus `meta.pt`, loadable on any world size or strategy; 'full': one file written by
         rank 0 (original names, optimizer state keyed by parameter name). Written under a
         temporary name and renamed into place once complete. See `fullshard.checkpoint`.
+        `async_save=True` returns a handle (`.wait()`) while the files are written in the
+        background (`fullshard.checkpoint.background`); None otherwise.
         """
         from fullshard.checkpoint import save_checkpoint
 
@@ -487,8 +491,9 @@ class FSDPStrategy(RankPlacement):
         # How long the call waits for the other ranks to call it too: the group's timeout.
         timeout = self._timeout.total_seconds() if self._timeout is not None else 1800.0
         with uncompiled_entries(state) as state:
-            save_checkpoint(path, state, state_dict_type=self._state_dict_type, filter=filter,
-                            timeout=timeout)
+            done = save_checkpoint(path, state, state_dict_type=self._state_dict_type,
+                                   filter=filter, timeout=timeout, async_save=async_save)
+        return done if async_save else None
 
     def load_checkpoint(
         self,
@@ -496,11 +501,15 @@ class FSDPStrategy(RankPlacement):
         state: dict[str, Any] | nn.Module | None = None,
         strict: bool = True,
         weights_only: bool | None = None,
+        *,
+        allow_symlinks: bool = False,
     ) -> dict[str, Any]:
         """Load a checkpoint (either format, detected from disk; any world size) into `state`
         in place; return the checkpoint's entries that `state` did not ask for. Collective.
         Files are read without running code from them unless `weights_only=False` (only for
-        files you trust); None means True."""
+        files you trust); None means True. Every file is checked against its checksums, and a
+        sharded checkpoint reads only files inside its directory (`allow_symlinks=True` lets
+        it follow symlinks there)."""
         from fullshard.checkpoint import load_checkpoint
 
         if isinstance(state, Optimizer):
@@ -517,7 +526,7 @@ class FSDPStrategy(RankPlacement):
         timeout = self._timeout.total_seconds() if self._timeout is not None else 1800.0
         with uncompiled_entries(state) as state:
             return load_checkpoint(path, state, strict=strict, timeout=timeout,
-                                   weights_only=weights_only)
+                                   weights_only=weights_only, allow_symlinks=allow_symlinks)
 
     def __repr__(self) -> str:
         return (

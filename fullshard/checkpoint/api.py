@@ -16,7 +16,10 @@ The save sequence (see `atomic` for the crash-safety argument):
   3. the data is written under the temporary name (sharded: every rank through DCP, then
      rank 0 `meta.pt`; full: rank 0 one file, gathered first);
   4. all ranks agree that it is complete, then rank 0 renames it into place.
-A failure anywhere raises on every rank and leaves the target as it was.
+A failure anywhere raises on every rank and leaves the target as it was. With
+`async_save=True`, steps 1-2 (and a copy of every tensor) run in the call and 3-4 on a
+background thread over a process group of its own (`background`). DCP items are summed as
+they are written and the sums saved beside them (`integrity`); a full disk says so.
 
 Loading detects the format from what is on disk: a directory with `meta.pt` is sharded, a
 file is full (either format loads into either kind of model). It restores in place every
@@ -25,21 +28,21 @@ the checkpoint's entries `state` did not ask for. For a sharded checkpoint those
 entries of `meta.pt`; sharded modules or optimizers that `state` does not name are not read.
 Both formats are Lightning Fabric's, so its checkpoints load here and ours load there. Every
 file is read without running code from it unless the caller passes `weights_only=False`
-(`safe_load`).
+(`safe_load`), is checked against the checksums written with it (`integrity`), and lies
+inside the checkpoint directory (`sharded.inside`; symlinks only with `allow_symlinks=True`).
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from fullshard.checkpoint import atomic, full, objects, safe_load, sharded
-from fullshard.checkpoint.errors import CheckpointError
+from fullshard.checkpoint import atomic, background, full, integrity, objects, safe_load, sharded
 from fullshard.checkpoint.objects import Filter
 from fullshard.config import check_bool
 from fullshard.distributed import comm
@@ -55,13 +58,26 @@ def save_checkpoint(
     state_dict_type: str = "sharded",
     filter: Filter | None = None,
     timeout: float = DEFAULT_TIMEOUT,
-) -> Path:
+    async_save: bool = False,
+) -> Path | background.AsyncSave:
     """Save `state` ({'model': model, 'optimizer': optimizer, 'step': 3, ...}) to `path`.
 
     Collective: every rank calls it. `state_dict_type='sharded'` writes a directory (DCP
     shards + `meta.pt`), `'full'` one file written by rank 0. `filter` maps a state key to
     `callable(name, value) -> bool` selecting the items to keep. Returns the absolute path.
+
+    `async_save=True` returns once the state is copied, with an `AsyncSave` handle whose
+    `wait()` returns the path when the checkpoint is in place; the files are written in the
+    background, crash-safe as a blocking save (`background`). Every save and load first waits
+    for the one in flight and raises its error.
     """
+    if not isinstance(async_save, bool):
+        raise TypeError(
+            f"async_save must be True (write in the background, return a handle) or False "
+            f"(the default: return when the checkpoint is in place); got "
+            f"{type(async_save).__name__}: {async_save!r}"
+        )
+    background.wait_pending()
     if state_dict_type not in STATE_DICT_TYPES:
         raise ValueError(
             f"Unknown state_dict_type {state_dict_type!r}; use 'sharded' (a directory, one "
@@ -79,15 +95,24 @@ def save_checkpoint(
     token = atomic.new_token(group)
     tmp = atomic.temp_path(target, token)
     rank0 = full.keep_here(group)
-    if state_dict_type == "full":
-        _save_full(target, tmp, token, state, filter, group, rank0)
-    else:
-        _save_sharded(target, tmp, token, state, filter, group, rank0)
-    return target
+    prepare = _save_full if state_dict_type == "full" else _save_sharded
+    write = prepare(target, tmp, token, state, filter, group, rank0, async_save)
+    if not async_save:
+        write(group, None)
+        return target
+    tail, pg = background.side_group(group)
+    return background.start(target, lambda: write(tail, pg))
+
+
+# A save is prepared on the calling thread (`_save_full` / `_save_sharded`: every collective
+# over the training group) and returns `write(group, process_group)`, which writes, agrees
+# over `group` (DCP over `process_group`) and renames: at once, or on the background thread.
+Write = Callable[[comm.Group | None, Any], None]
 
 
 def _save_full(target: Path, tmp: Path, token: str, state: Mapping[str, Any],
-               filter: Filter | None, group: comm.Group | None, rank0: bool) -> None:
+               filter: Filter | None, group: comm.Group | None, rank0: bool,
+               staged: bool) -> Write:
     error: BaseException | None = None
     try:
         if target.is_dir() and not sharded.is_checkpoint_dir(target):
@@ -95,25 +120,37 @@ def _save_full(target: Path, tmp: Path, token: str, state: Mapping[str, Any],
                 f"The checkpoint path {str(target)!r} is a directory that is not a checkpoint; "
                 f"a full checkpoint is one file. Choose another path."
             )
+        atomic.refuse_foreign(target, directory=False)
         shape = _structure(state)
         local = full.local_entries(state)
     except Exception as e:
         error, shape, local = e, None, {}
     _agree_on(group, error, shape, "save_checkpoint (preparing)")
     ckpt = full.gather(state, filter, keep=rank0, local=local)  # collective
-    try:
-        if rank0:
-            atomic.remove_stale(target)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            atomic.save_file(ckpt, tmp)
-    except Exception as e:
-        error = e
-    del ckpt
-    _finish(target, tmp, token, group, error, rank0)
+    if staged and rank0:
+        ckpt = background.stage(ckpt)  # gathered tensors are fresh; whole ones are live
+
+    def write(tail: comm.Group | None, _: Any) -> None:
+        nonlocal ckpt
+        error: BaseException | None = None
+        try:
+            if rank0:
+                atomic.remove_stale(target)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                open(tmp, "xb").close()
+                atomic.claim(tmp)
+                atomic.save_file(ckpt, tmp)
+        except Exception as e:
+            error = integrity.no_space(e, target, tmp)
+        ckpt = {}
+        _finish(target, tmp, token, tail, error, rank0)
+
+    return write
 
 
 def _save_sharded(target: Path, tmp: Path, token: str, state: Mapping[str, Any],
-                  filter: Filter | None, group: comm.Group | None, rank0: bool) -> None:
+                  filter: Filter | None, group: comm.Group | None, rank0: bool,
+                  staged: bool) -> Write:
     error: BaseException | None = None
     flat: dict[str, Any] = {}
     meta: dict[str, Any] = {}
@@ -125,24 +162,42 @@ def _save_sharded(target: Path, tmp: Path, token: str, state: Mapping[str, Any],
                 f"The checkpoint path {str(target)!r} is a non-empty directory that is not a "
                 f"checkpoint; saving would replace it. Choose another path."
             )
+        atomic.refuse_foreign(target, directory=True)
         flat, meta, shape = sharded.plan(state, filter)
         if rank0:
             atomic.remove_stale(target)
             tmp.mkdir(parents=True)
+            atomic.claim(tmp)
     except Exception as e:
         error = e
-    _agree_on(group, error, shape, "save_checkpoint (preparing)")
     try:
-        sharded.write(tmp, flat, group)  # collective; a failure raises on every rank
+        _agree_on(group, error, shape, "save_checkpoint (preparing)")
+    except BaseException:
         if rank0:
-            sharded.finish_meta(tmp, meta)
-    except BaseException as e:
-        if isinstance(e, CheckpointError):
+            atomic.remove(tmp)
+        raise
+    if staged:
+        flat, meta = background.stage(flat), background.stage(meta)
+
+    def write(tail: comm.Group | None, pg: Any) -> None:
+        error: BaseException | None = None
+        try:  # collective; a failure raises on every rank
+            sums = sharded.write(tmp, flat, tail, process_group=pg)
+        except BaseException as e:
             if rank0:
                 atomic.remove(tmp)
-            raise
-        error = e
-    _finish(target, tmp, token, group, error, rank0)
+            clear = integrity.no_space(e, target, tmp) if isinstance(e, Exception) else e
+            if clear is e:
+                raise
+            raise clear from None
+        try:
+            if rank0:  # rank 0 only: the other ranks learn of a failure in `_finish`
+                sharded.finish_meta(tmp, meta, sums)
+        except Exception as e:
+            error = integrity.no_space(e, target, tmp)
+        _finish(target, tmp, token, tail, error, rank0)
+
+    return write
 
 
 def _finish(target: Path, tmp: Path, token: str, group: comm.Group | None,
@@ -219,6 +274,7 @@ def load_checkpoint(
     strict: bool = True,
     timeout: float = DEFAULT_TIMEOUT,
     weights_only: bool | None = None,
+    allow_symlinks: bool = False,
 ) -> dict[str, Any]:
     """Load the checkpoint at `path` (format detected from disk) into `state` in place and
     return its entries that `state` did not ask for. Collective.
@@ -232,9 +288,19 @@ def load_checkpoint(
     (its weights only), or None (returns the whole checkpoint as a full-format dict; for a
     sharded checkpoint every rank then reads all of it). `strict=False` tolerates keys missing
     on either side and warns about them.
+
+    Every file is checked against the checksums saved with it (`integrity`; a checkpoint
+    without them loads with a warning) and a sharded checkpoint reads only files inside its
+    directory: a symlink there is refused unless `allow_symlinks=True`.
     """
     check_bool("strict", strict)  # "no" would otherwise mean True
     weights_only = safe_load.resolve(weights_only)
+    background.wait_pending()  # the save in flight may be the checkpoint being loaded
+    if not isinstance(allow_symlinks, bool):
+        raise TypeError(
+            f"allow_symlinks must be True or False (the default: refuse symlinks inside a "
+            f"sharded checkpoint); got {type(allow_symlinks).__name__}: {allow_symlinks!r}"
+        )
     group = atomic.world()
     _guard(group, "load_checkpoint", timeout)
     path = _shared_path(path, group)
@@ -259,7 +325,7 @@ def load_checkpoint(
 
         return to_full(path, weights_only=weights_only)
     if isinstance(state, nn.Module):
-        return _load_module_only(path, fmt, state, strict, group, weights_only)
+        return _load_module_only(path, fmt, state, strict, group, weights_only, allow_symlinks)
     if not isinstance(state, dict):
         raise TypeError(
             f"load_checkpoint(state=...) takes a dict of the objects to restore, a module, or "
@@ -267,23 +333,27 @@ def load_checkpoint(
         )
     if fmt == "full":
         return full.load(full.read(path, weights_only), state, strict, path)
-    meta = sharded.read_meta(path, weights_only)
-    return sharded.load(path, meta, state, strict, group, weights_only)
+    meta = sharded.read_meta(path, weights_only, allow_symlinks=allow_symlinks)
+    return sharded.load(path, meta, state, strict, group, weights_only,
+                        allow_symlinks=allow_symlinks)
 
 
 def _load_module_only(path: Path, fmt: str, module: nn.Module, strict: bool,
-                      group: comm.Group | None, weights_only: bool) -> dict[str, Any]:
+                      group: comm.Group | None, weights_only: bool,
+                      allow_symlinks: bool) -> dict[str, Any]:
     """`state` is one module (Lightning's `load_raw(path, module)`): its weights only."""
     if fmt == "sharded":
-        meta = sharded.read_meta(path, weights_only)
-        saved = sharded.entries(sharded.read_index(path, weights_only))
+        meta = sharded.read_meta(path, weights_only, allow_symlinks=allow_symlinks)
+        saved = sharded.entries(sharded.read_index(path, weights_only,
+                                                   allow_symlinks=allow_symlinks))
         keys = [k for k, v in saved.items() if sharded.kind_of_entry(v) == objects.MODULE]
         if len(keys) != 1:
             raise ValueError(
                 f"The checkpoint {str(path)!r} holds {len(keys)} modules ({keys}); pass "
                 f"state={{key: module}} to say which to load."
             )
-        sharded.load(path, meta, {keys[0]: module}, strict, group, weights_only)
+        sharded.load(path, meta, {keys[0]: module}, strict, group, weights_only,
+                     allow_symlinks=allow_symlinks)
         return {}
     ckpt = full.read(path, weights_only)
     candidates = [k for k, v in ckpt.items() if isinstance(v, Mapping)]

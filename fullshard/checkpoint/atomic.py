@@ -13,7 +13,15 @@ old atomically (the old then sits under the temporary name and is deleted); wher
 available the old is first renamed aside to `.{name}.fullshard-old-{token}`, then the new one
 renamed into place: a crash between the two renames leaves the target absent and the previous
 checkpoint intact under that name (`load_checkpoint` says so). Leftover temporary names of a
-crashed save are removed by the next save to the same target.
+crashed save are removed by the next save to the same target -- only those whose save is
+over: rank 0 holds an exclusive `flock` on its temporary file or directory from the moment it
+creates it until the rename (`claim` / `release`), and `remove_stale` removes only what it can
+lock, so two jobs saving to one path never delete each other's work (the last rename wins,
+atomically). The token is random per save (48 bits), so two saves never share a temporary name.
+
+A save never replaces what is not a checkpoint (`refuse_foreign`): a sharded save (a
+directory) onto an existing file, or a full save (one file) onto a file that is not a
+`torch.save` archive, is refused before anything is written.
 
 Every file is fsync'ed before the agreement and the parent directory after the rename, so "in
 place" also means "on disk". Saving assumes the target's filesystem is shared by all ranks
@@ -66,13 +74,93 @@ def aside_copies(target: Path) -> list[Path]:
     return _siblings(target, OLD_TAG)
 
 
+_HELD: dict[str, int] = {}  # temporary path -> the descriptor holding its lock
+
+
+def _lock(path: Path) -> int | None:
+    """An open descriptor of `path` holding an exclusive non-blocking flock, or None when
+    another save holds it (or locks are unavailable: then nothing is ever removed as stale
+    while it may be in use)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def claim(tmp: Path) -> None:
+    """Hold the lock of the just-created temporary file or directory `tmp` until `release`
+    (rank 0): `remove_stale` of a concurrent save leaves it alone."""
+    fd = _lock(tmp)
+    if fd is not None:
+        _HELD[str(tmp)] = fd
+
+
+def release(tmp: Path) -> None:
+    fd = _HELD.pop(str(tmp), None)
+    if fd is not None:
+        os.close(fd)  # closing drops the flock
+
+
 def remove_stale(target: Path) -> None:
-    """Delete temporary names that crashed saves to `target` left behind (rank 0 only)."""
+    """Delete temporary names that crashed saves to `target` left behind (rank 0 only): the
+    ones no live save holds the lock of."""
     for p in _siblings(target, TMP_TAG):
-        remove(p)
+        if str(p) in _HELD:
+            continue
+        fd = _lock(p)
+        if fd is None and os.path.lexists(p) and _lockable():
+            continue  # a save in progress (another job, or another thread of this one)
+        try:
+            remove(p)
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+
+def _lockable() -> bool:
+    try:
+        import fcntl  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_TORCH_ZIP = b"PK\x03\x04"
+
+
+def refuse_foreign(target: Path, directory: bool) -> None:
+    """Refuse to replace something at `target` that is not a checkpoint (see the module
+    docstring): a save deletes what it replaces."""
+    if not os.path.lexists(target) or target.is_dir():
+        return  # a directory is checked by the caller (a checkpoint, or empty)
+    if directory:
+        raise FileExistsError(
+            f"The checkpoint path {str(target)!r} is an existing file; a sharded checkpoint "
+            f"is a directory, and saving would delete the file. Choose another path, or "
+            f"remove the file first."
+        )
+    with open(target, "rb") as f:
+        head = f.read(4)
+    if head != _TORCH_ZIP:
+        raise FileExistsError(
+            f"The checkpoint path {str(target)!r} is an existing file that is not a "
+            f"checkpoint (not a torch.save archive); saving would replace it. Choose another "
+            f"path, or remove the file first."
+        )
 
 
 def remove(path: Path) -> None:
+    release(path)
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
@@ -138,6 +226,7 @@ def _exchange(a: Path, b: Path) -> bool:
 
 def commit(tmp: Path, target: Path, token: str) -> None:
     """Move the complete checkpoint `tmp` to `target`, replacing what is there (rank 0)."""
+    refuse_foreign(target, tmp.is_dir())  # again: it may have appeared since the save began
     if not os.path.lexists(target):
         os.rename(tmp, target)
     elif tmp.is_file() and target.is_file():
@@ -150,6 +239,7 @@ def commit(tmp: Path, target: Path, token: str) -> None:
         # A crash here leaves no target and the previous checkpoint intact at `old`.
         os.rename(tmp, target)
         remove(old)
+    release(tmp)
     fsync_dir(target.parent)
     for p in aside_copies(target):  # a previous interrupted replace's leftover
         remove(p)
@@ -167,10 +257,23 @@ def describe_missing(target: Path) -> str:
 
 
 def save_file(obj: Any, path: Path) -> None:
-    """`torch.save` to `path` and fsync it."""
+    """`torch.save` to `path` and fsync it, with the zip archive's per-record CRC-32 on
+    (`integrity` verifies them on load)."""
     import torch
 
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        from torch.utils.serialization import config
+    except ImportError:  # an older torch: always computes them
+        config = None
+    before = config.save.compute_crc32 if config is not None else None
+    if config is not None:
+        config.save.compute_crc32 = True
+    try:
+        with open(path, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        if config is not None:
+            config.save.compute_crc32 = before
+

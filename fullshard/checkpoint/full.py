@@ -32,6 +32,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from fullshard.checkpoint import objects, safe_load
+from fullshard.checkpoint.errors import CheckpointError
 from fullshard.checkpoint.objects import Filter
 from fullshard.distributed import comm
 from fullshard.engine.full_state import (
@@ -129,13 +130,14 @@ def read(path: Path, weights_only: bool = True) -> dict[str, Any]:
     try:
         ckpt = safe_load.torch_load(path, weights_only=weights_only, mmap=True,
                                     what="The full checkpoint file")
-    except safe_load.UnsafeCheckpointError:
+    except CheckpointError:  # unsafe, corrupt, failed checksums: the message says which
         raise
     except Exception as e:  # a truncated zip, a pickle error, ...
-        raise RuntimeError(
-            f"The full checkpoint file {str(path)!r} cannot be read ({type(e).__name__}: {e}); "
-            f"it is truncated or corrupt. Use another checkpoint."
-        ) from e
+        text = str(e).split("Weights only load failed")[0].strip() or type(e).__name__
+        raise CheckpointError(
+            f"The full checkpoint file {str(path)!r} cannot be read ({type(e).__name__}: "
+            f"{text[:300]}); it is truncated or corrupt. Use another checkpoint."
+        ) from None
     if not isinstance(ckpt, dict):
         raise TypeError(
             f"The checkpoint file {str(path)!r} holds a {type(ckpt).__name__}, not the dict of "

@@ -168,6 +168,7 @@ def groups_to_load(
         )
     out, start = [], 0
     for i, (group, current) in enumerate(zip(saved, optimizer.param_groups)):
+        check_same_kind(group, current, optimizer, key)
         n = len(current["params"])
         mine = names[start : start + n]
         theirs = list(group["params"])
@@ -181,6 +182,53 @@ def groups_to_load(
         out.append({**group, "params": list(range(start, start + n))})
         start += n
     return out
+
+
+# Keys LR schedulers add to param groups: not the optimizer's own hyperparameters.
+_SCHEDULER_KEYS = frozenset({"initial_lr", "base_lr", "max_lr", "min_lr", "base_momentum",
+                             "max_momentum", "params"})
+
+
+def check_same_kind(saved: Mapping[str, Any], current: Mapping[str, Any], optimizer: Optimizer,
+                    key: str) -> None:
+    """Refuse the state of another optimizer type (AdamW's into SGD): torch would take the
+    saved hyperparameters as they are and the next `step()` would fail with a `KeyError`.
+
+    Another type both lacks some of this optimizer's hyperparameters and holds others. A
+    newer torch adding a hyperparameter only makes keys missing (torch fills them in), and a
+    scheduler's keys are ignored, so neither is mistaken for another type."""
+    have, need = set(saved) - _SCHEDULER_KEYS, set(current) - _SCHEDULER_KEYS
+    missing, extra = sorted(need - have), sorted(have - need)
+    if not (missing and extra):
+        return
+    raise ValueError(
+        f"The checkpoint's optimizer {key!r} was saved by another optimizer type "
+        f"({_guess_type(have)}: its param groups hold {extra}) than the one being loaded "
+        f"({type(optimizer).__name__}, which needs {missing}). Build the optimizer as when "
+        f"saving, or leave {key!r} out of the state to load."
+    )
+
+
+def _guess_type(keys: set[str]) -> str:
+    """The torch.optim classes whose hyperparameters best match a param group's keys."""
+    import inspect
+
+    import torch.optim as optim
+
+    scores = []
+    for name in dir(optim):
+        cls = getattr(optim, name)
+        if isinstance(cls, type) and issubclass(cls, Optimizer) and cls is not Optimizer:
+            try:
+                sig = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+            except (TypeError, ValueError):
+                continue
+            scores.append((len(sig ^ keys), name))
+    if not scores:
+        return "another optimizer"
+    best = min(s for s, _ in scores)
+    names = sorted(n for s, n in scores if s <= best + 1)[:3]
+    return " or ".join(names) if best <= 2 else "an optimizer other than torch.optim's"
 
 
 def _short(names: list[Any]) -> str:

@@ -61,7 +61,12 @@ def resolve(weights_only: bool | None) -> bool:
 # -- torch.save files -------------------------------------------------------------------------
 def torch_load(path: Path, *, weights_only: bool, what: str, mmap: bool = False) -> Any:
     """`torch.load` of a checkpoint file on CPU. With `weights_only`, an object it refuses
-    raises `UnsafeCheckpointError`; other failures (truncated, corrupt) propagate."""
+    raises `UnsafeCheckpointError`; a file that is not a `torch.save` archive or fails its
+    checksums raises `CheckpointError` (`integrity`) before torch reads it; other failures
+    propagate."""
+    from fullshard.checkpoint.integrity import verify_torch_file
+
+    verify_torch_file(path, what)
     try:
         return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=mmap)
     except pickle.UnpicklingError as e:
@@ -205,9 +210,19 @@ def _safe_reader_class() -> type:
     class SafeReader(FileSystemReader):
         """DCP's file reader, whose `.metadata` index is read by `_IndexUnpickler`."""
 
-        def __init__(self, path: str | os.PathLike, weights_only: bool) -> None:
+        def __init__(self, path: str | os.PathLike, weights_only: bool, sums: Any) -> None:
             super().__init__(path)
             self._weights_only = weights_only
+            self._sums = sums
+
+        def _slice_file(self, file: Any, sinfo: Any) -> Any:
+            """The item's bytes, checked against the checksum written with them."""
+            if self._sums is None:
+                return super()._slice_file(file, sinfo)
+            file.seek(sinfo.offset)
+            data = file.read(sinfo.length)
+            self._sums.check_item(sinfo.relative_path, sinfo.offset, data)
+            return io.BytesIO(data)
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             if not self._weights_only or kwargs.get("rank") is not None:
@@ -223,9 +238,10 @@ def _safe_reader_class() -> type:
     return SafeReader
 
 
-def reader(path: Path, weights_only: bool) -> Any:
-    """A DCP `FileSystemReader` for `path` that reads its index safely with `weights_only`."""
-    return _safe_reader_class()(path, weights_only)
+def reader(path: Path, weights_only: bool, sums: Any = None) -> Any:
+    """A DCP `FileSystemReader` for `path` that reads its index safely with `weights_only`
+    and checks every item it reads against `sums` (`integrity.Sums`) when given."""
+    return _safe_reader_class()(path, weights_only, sums)
 
 
 def _safe_planner_class() -> type:

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullshard.checkpoint import objects, safe_load
+from fullshard.checkpoint import integrity, objects, safe_load
 from fullshard.checkpoint.errors import CheckpointError
 from fullshard.checkpoint.objects import Filter, ParamInfo
 from fullshard.distributed import comm
@@ -174,31 +174,75 @@ def _plan_optimizer(key: str, optimizer: Any, modules: Mapping[str, nn.Module],
     return objects.apply_filter(key, {"state": state, "param_groups": groups}, filter)
 
 
-def write(tmp: Path, tensors: dict[str, Any], group: comm.Group | None) -> None:
+def write(tmp: Path, tensors: dict[str, Any], group: comm.Group | None,
+          process_group: Any = None) -> list[list[Any]]:
     """DCP-save `tensors` into the directory `tmp` (collective: every rank of the default
-    group; each rank writes and fsyncs its own file, rank 0 the `.metadata` index)."""
+    group, or of `process_group`; each rank writes and fsyncs its own file, rank 0 the
+    `.metadata` index). Returns the items' checksums on rank 0 (`integrity`), [] elsewhere."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
+    writer = integrity.summing_writer(tmp)
     planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
     _dcp_call(lambda: dcp.save(tensors, storage_writer=writer, planner=planner,
-                               no_dist=group is None), f"writing {str(tmp)!r}")
+                               process_group=process_group, no_dist=group is None),
+              f"writing {str(tmp)!r}")
+    return writer.sums
 
 
-def finish_meta(tmp: Path, meta: dict[str, Any]) -> None:
-    """Write `meta.pt` (rank 0, after DCP) and make sure DCP's index is on disk."""
+def finish_meta(tmp: Path, meta: dict[str, Any], sums: list[list[Any]]) -> None:
+    """Write `meta.pt` and the checksums (rank 0, after DCP); make sure DCP's index is on
+    disk."""
     from fullshard.checkpoint.atomic import fsync_file, save_file
 
     fsync_file(tmp / DCP_METADATA)  # DCP fsyncs the shard files, not necessarily its index
     save_file(meta, tmp / META)
+    integrity.write_sums(tmp, sums, [DCP_METADATA, META])
+
+
+# -- load: what a load may read ---------------------------------------------------------------
+def inside(path: Path, name: str, allow_symlinks: bool) -> Path:
+    """`path / name` for a file the checkpoint's own index names, refused when it lies outside
+    the checkpoint directory (an absolute name, `..`, or -- unless `allow_symlinks` -- a
+    symlink anywhere below `path`). DCP itself only writes plain names, so a name that leaves
+    the directory means the index was edited."""
+    rel = Path(name)
+    if rel.is_absolute() or ".." in rel.parts or not rel.parts:
+        raise CheckpointError(
+            f"The sharded checkpoint {str(path)!r} names the file {name!r}, which lies outside "
+            f"its directory; a checkpoint only reads its own files (its index was edited or "
+            f"is corrupt). Use another checkpoint."
+        )
+    file = path / rel
+    if not allow_symlinks:
+        node = path
+        for part in rel.parts:
+            node = node / part
+            if node.is_symlink():
+                raise CheckpointError(
+                    f"The checkpoint file {str(node)!r} is a symlink (to "
+                    f"{os.readlink(node)!r}); loading refuses to follow symlinks inside a "
+                    f"checkpoint directory, so nothing outside it is read. If you made it, "
+                    f"pass allow_symlinks=True (load_checkpoint, FSDPStrategy.load_checkpoint, "
+                    f"fabric.load)."
+                )
+    return file
+
+
+def _verified(path: Path, name: str, allow_symlinks: bool) -> Path:
+    """One of the checkpoint's own files, contained and matching its whole-file checksum."""
+    file = inside(path, name, allow_symlinks)
+    sums = integrity.read_sums(path)
+    if sums is not None:
+        sums.check_file(name)
+    return file
 
 
 # -- load: the files ------------------------------------------------------------------------
-def read_meta(path: Path, weights_only: bool = True) -> dict[str, Any]:
+def read_meta(path: Path, weights_only: bool = True, *,
+              allow_symlinks: bool = False) -> dict[str, Any]:
     """`meta.pt`: the user's entries (a plain dict), read without running code by default."""
-    file = path / META
+    file = _verified(path, META, allow_symlinks)
     try:
         meta = safe_load.torch_load(file, weights_only=weights_only,
                                     what="The sharded checkpoint's metadata file")
@@ -223,15 +267,17 @@ def read_meta(path: Path, weights_only: bool = True) -> dict[str, Any]:
     return meta
 
 
-def read_index(path: Path, weights_only: bool = True) -> Any:
+def read_index(path: Path, weights_only: bool = True, *, allow_symlinks: bool = False) -> Any:
     """DCP's `.metadata` (global shapes and dtypes of everything saved), checked against the
-    files on disk: every data file it points into is present and long enough."""
+    files on disk: every data file it points into lies inside the checkpoint directory
+    (`inside`), is present and long enough."""
     file = path / DCP_METADATA
-    if not file.is_file():
+    if not file.is_file() and not file.is_symlink():
         raise CheckpointError(
             f"The sharded checkpoint {str(path)!r} is missing its file {str(file)!r} (DCP's "
             f"index); it is incomplete and cannot be loaded."
         )
+    _verified(path, DCP_METADATA, allow_symlinks)
     try:
         index = safe_load.reader(path, weights_only).read_metadata()
     except CheckpointError:
@@ -246,7 +292,7 @@ def read_index(path: Path, weights_only: bool = True) -> Any:
         end = int(info.offset) + int(info.length)
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
     for name, size in sorted(needed.items()):
-        f = path / name
+        f = inside(path, name, allow_symlinks)
         if not f.is_file():
             raise CheckpointError(
                 f"The sharded checkpoint {str(path)!r} is missing its file {str(f)!r} (its "
@@ -308,7 +354,7 @@ def read(path: Path, flat: dict[str, Any], group: comm.Group | None,
 
     if not flat and group is None:
         return
-    reader = safe_load.reader(path, weights_only)
+    reader = safe_load.reader(path, weights_only, integrity.read_sums(path))
     planner = safe_load.planner(path, weights_only)
     _dcp_call(lambda: dcp.load(flat, storage_reader=reader, planner=planner,
                                no_dist=group is None), f"reading {str(path)!r}")
@@ -326,8 +372,10 @@ def _dcp_call(fn: Callable[[], Any], what: str) -> Any:
         except CheckpointException as e:  # a BaseException: `except Exception` misses it
             for failure in e.failures.values():
                 inner = failure[0] if isinstance(failure, tuple) else failure
-                if isinstance(inner, safe_load.UnsafeCheckpointError):
-                    raise safe_load.UnsafeCheckpointError(str(inner)) from None
+                if isinstance(inner, CheckpointError):  # ours (unsafe, corrupt): as it is
+                    raise type(inner)(str(inner)) from None
+            if integrity.is_no_space(e):
+                raise
             raise CheckpointError(f"torch.distributed.checkpoint failed {what}: {e}") from None
         finally:
             # A cached DeviceMesh keeps its process group alive past destroy_process_group();
@@ -339,10 +387,11 @@ def _dcp_call(fn: Callable[[], Any], what: str) -> Any:
 
 # -- load: into objects ---------------------------------------------------------------------
 def load(path: Path, meta: dict[str, Any], state: dict[str, Any], strict: bool,
-         group: comm.Group | None, weights_only: bool = True) -> dict[str, Any]:
+         group: comm.Group | None, weights_only: bool = True, *,
+         allow_symlinks: bool = False) -> dict[str, Any]:
     """Restore `state` in place from the checkpoint at `path` (collective when `group`);
     return the entries of `meta.pt` that `state` did not ask for."""
-    index = read_index(path, weights_only)
+    index = read_index(path, weights_only, allow_symlinks=allow_symlinks)
     saved = entries(index)
     held = {k: kind_of_entry(v) for k, v in saved.items()}
     parts = objects.split_state(state)

@@ -95,6 +95,26 @@ def own_rows(full: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
     return full.reshape(layout.dim0, *layout.rest)[start:stop]
 
 
+def _check_state_dict(state_dict: object) -> None:
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"load_full_state_dict(model, state_dict): state_dict must be a dict of parameter "
+            f"and buffer names to tensors (e.g. torch.load(path)['model']); got "
+            f"{type(state_dict).__name__}: {state_dict!r:.80}"
+        )
+    for k, v in state_dict.items():
+        if not isinstance(k, str):
+            raise TypeError(
+                f"load_full_state_dict(model, state_dict): state_dict's keys must be names "
+                f"(str); got the key {k!r:.60} ({type(k).__name__})."
+            )
+        if not isinstance(v, torch.Tensor) and not k.endswith("_extra_state"):
+            raise TypeError(
+                f"load_full_state_dict(model, state_dict): state_dict[{k!r}] must be a tensor; "
+                f"got {type(v).__name__}: {v!r:.60}"
+            )
+
+
 @torch.no_grad()
 def load_full_state_dict(
     model: nn.Module, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True
@@ -103,8 +123,10 @@ def load_full_state_dict(
 
     Returns `(missing_keys, unexpected_keys)`; with `strict=True` either being non-empty is a
     `ValueError` naming them. A shape mismatch is always a `ValueError` naming the key.
+    Anything but a mapping of names to tensors is a `TypeError` naming the argument.
     """
     check_bool("strict", strict)
+    _check_state_dict(state_dict)
     runtime = runtime_of(model)
     runtime.release_all()
     by_id = _params_by_id(model)

@@ -105,6 +105,8 @@ def _planted(root: str, fmt: str) -> dict:
         data = torch.load(file, weights_only=True)
         data["evil"] = [Payload(marker)]
         torch.save(data, file)
+        if fmt == "sharded":  # and drops the checksums that would give the edit away
+            Path(f"{path}/.fullshard-checksums.json").unlink()
     dist.barrier()
     fabric = fullshard.Fabric(strategy=s)
     out: dict = {}

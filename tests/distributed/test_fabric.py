@@ -136,5 +136,5 @@ def test_example_script_runs(tmp_path: Path) -> None:
                 "--checkpoint", str(tmp_path / "ckpt")])
     assert "step   0  loss" in proc.stdout and "saved" in proc.stdout
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"
+        ".fullshard-checksums.json", ".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"
     ]

@@ -311,7 +311,7 @@ def test_checkpoint_round_trip(group2: DistributedGroup, tmp_path, state_dict_ty
         assert sorted(p.name for p in tmp_path.iterdir()) == ["full"]
     else:
         assert sorted(p.name for p in (tmp_path / "sharded").iterdir()) == [
-            ".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"
+            ".fullshard-checksums.json", ".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"
         ]
 
 

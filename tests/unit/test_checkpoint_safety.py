@@ -27,6 +27,7 @@ from fullshard.checkpoint import (
     save_checkpoint,
     to_full,
 )
+from fullshard.checkpoint.integrity import SUMS
 from fullshard.cli import main as cli_main
 
 
@@ -117,6 +118,7 @@ def test_sharded_meta_payload_never_runs(tmp_path) -> None:
     path, marker = tmp_path / "sharded", tmp_path / "ran"
     save_checkpoint(path, _state(_model()))
     _plant_torch_file(path / "meta.pt", marker, "evil")
+    (path / SUMS).unlink()  # an attacker drops the checksums that would give the edit away
     _refused(marker, lambda: load_checkpoint(path, _fresh()), "_touch", "['evil']", "meta.pt")
     _refused(marker, lambda: load_checkpoint(path, _model()), "_touch")  # load_raw(module)
     _refused(marker, lambda: to_full(path), "_touch")
@@ -137,6 +139,7 @@ def test_dcp_index_and_byte_item_payloads_never_run(tmp_path) -> None:
     index = pickle.loads(index_file.read_bytes())  # our own file, written just now
     index.planner_data["evil"] = Payload(marker)
     index_file.write_bytes(pickle.dumps(index))
+    (path / SUMS).unlink()
     _refused(marker, lambda: load_checkpoint(path, _fresh()), "_touch", ".metadata")
     _refused(marker, lambda: to_full(path), "_touch")
     load_checkpoint(path, _fresh(), weights_only=False)
@@ -207,3 +210,87 @@ def test_what_fullshard_writes_loads_under_the_default(tmp_path) -> None:
         assert fresh["model"][1].info == {"version": 2, "names": ["b", "c"], "scale": 0.5}
         assert rest == {"lr": 0.5, "name": "run-1", "flags": (True, None),
                         "losses": [1.0, 0.5]}
+
+
+# -- issue 25: concurrent saves, bad calls -------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["sharded", "full"])
+def test_concurrent_saves_to_one_path_never_delete_each_others_work(tmp_path, monkeypatch,
+                                                                    fmt) -> None:
+    """Save A is paused in the middle of writing its temporary file or directory while save
+    B, to the same path, runs from start to end (its start removes crashed saves' leftovers):
+    A's work survives and A completes; the last rename wins."""
+    import threading
+
+    real_save = torch.save
+    started, go = threading.Event(), threading.Event()
+
+    def paused_save(obj, f, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if threading.current_thread().name == "save-A" and not started.is_set():
+            started.set()
+            go.wait(30)
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", paused_save)
+    path = tmp_path / "ckpt"
+    a, b = nn.Linear(4, 3), nn.Linear(4, 3)
+    errors: list[BaseException] = []
+
+    def save_a() -> None:
+        try:
+            save_checkpoint(path, {"model": a}, state_dict_type=fmt)
+        except BaseException as e:  # noqa: BLE001 -- reported below
+            errors.append(e)
+
+    thread = threading.Thread(target=save_a, name="save-A")
+    thread.start()
+    assert started.wait(30)
+    save_checkpoint(path, {"model": b}, state_dict_type=fmt)  # B, while A is mid-write
+    go.set()
+    thread.join(60)
+    assert errors == []
+    loaded = nn.Linear(4, 3)
+    load_checkpoint(path, {"model": loaded})
+    assert torch.equal(loaded.weight, a.weight)  # A renamed last
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+@pytest.mark.parametrize("bad", ["notadict", None, [("weight", torch.zeros(2))], [1, 2]])
+def test_load_full_state_dict_rejects_what_is_not_a_state_dict(world1, bad) -> None:
+    import fullshard
+
+    model = fullshard.fsdp(nn.Linear(4, 2), device="cpu")
+    with pytest.raises(TypeError, match=r"load_full_state_dict\(model, state_dict\): "
+                                        r"state_dict must be a dict .* got "):
+        fullshard.load_full_state_dict(model, bad)
+    with pytest.raises(TypeError, match=r"state_dict\['weight'\] must be a tensor; got str"):
+        fullshard.load_full_state_dict(model, {"weight": "x", "bias": torch.zeros(2)})
+
+
+def test_process_exit_waits_for_an_async_save(tmp_path) -> None:
+    """A script that ends right after `save_checkpoint(async_save=True)` still leaves the
+    complete checkpoint: exit waits for the background write."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, time\n"
+        "from torch.distributed.checkpoint import FileSystemWriter\n"
+        "from fullshard.checkpoint import save_checkpoint\n"
+        "write = FileSystemWriter.write_data\n"
+        "def slow(self, plan, planner):\n"
+        "    time.sleep(1.0)\n"  # the write is certainly still running when the script ends
+        "    return write(self, plan, planner)\n"
+        "FileSystemWriter.write_data = slow\n"
+        "torch.manual_seed(0)\n"
+        f"save_checkpoint({str(tmp_path / 'ckpt')!r}, {{'model': torch.nn.Linear(8, 4)}},\n"
+        "                async_save=True)\n"
+    )
+    env = {**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    torch.manual_seed(0)
+    expected, loaded = nn.Linear(8, 4), nn.Linear(8, 4)
+    nn.init.zeros_(loaded.weight)
+    load_checkpoint(tmp_path / "ckpt", {"model": loaded})
+    assert torch.equal(loaded.weight, expected.weight)
