@@ -1,6 +1,6 @@
 """Launching: `fullshard run` arguments and help, environment detection, and rank death -- a
 rank raising / exiting / SIGKILLed mid-step under `fullshard run` and under Fabric.launch():
-every process gone and a non-zero exit within 30 s, the failing rank named."""
+every process gone and a non-zero exit within 20 s of the death, the failing rank named."""
 
 from __future__ import annotations
 
@@ -165,6 +165,12 @@ def _gone(pid: int) -> bool:
         return True
 
 
+# From a rank's death to the launcher's exit: the watchdogs poll every 0.1 s, a stopped rank
+# gets 2 s (Fabric) / 5 s (torchelastic's shutdown timeout) after SIGTERM, and the rest is
+# dying processes tearing down on a loaded machine.
+_ENDS_WITHIN_S = 20.0
+
+
 def _launch_and_kill(tmp_path: Path, launcher: str, fail_rank: int, how: str) -> str:
     pids = tmp_path / "pids"
     pids.mkdir()
@@ -176,18 +182,22 @@ def _launch_and_kill(tmp_path: Path, launcher: str, fail_rank: int, how: str) ->
         cmd = [sys.executable, *args, "--devices", "2"]
     tmp = tmp_path / "tmp"  # the launch's temporary files, to check that none is left over
     tmp.mkdir()
-    start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**child_env(), "TMPDIR": str(tmp)},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        out = proc.communicate(timeout=60)[0]
+    try:  # generous: starting Python, torch and the ranks is slow on a loaded machine
+        out = proc.communicate(timeout=240)[0]
     except subprocess.TimeoutExpired:
         proc.kill()
         raise
-    elapsed = time.monotonic() - start
+    ended = time.time()
     assert proc.returncode != 0, out[-3000:]
-    assert elapsed < 30, f"took {elapsed:.1f}s\n{out[-3000:]}"
-    recorded = [int(p.read_text()) for p in pids.iterdir()]
+    # Timed from the death itself (the failing rank wrote the time just before it), not from
+    # the start: start-up time is not what this bounds.
+    died = pids / "failed-at"
+    assert died.exists(), f"no rank reached the failure\n{out[-3000:]}"
+    elapsed = ended - float(died.read_text())
+    assert elapsed < _ENDS_WITHIN_S, f"took {elapsed:.1f}s after the death\n{out[-3000:]}"
+    recorded = [int(p.read_text()) for p in pids.glob("rank*.pid")]
     assert len(recorded) == 2, out[-3000:]
     deadline = time.monotonic() + 5  # the launcher has exited; its children must be gone too
     while not all(_gone(p) for p in recorded) and time.monotonic() < deadline:
