@@ -38,11 +38,39 @@ def test_run_help(capsys) -> None:
     assert proc.returncode == 0 and "torch.distributed.run" in proc.stdout
 
 
-def test_run_argument_errors(capsys) -> None:
+@pytest.mark.parametrize("bad, said", [
+    (["--nproc-per-node", "abc"], "--nproc-per-node.*expected an int >= 1 or one of auto.*'abc'"),
+    (["--nproc-per-node", "-2"], "--nproc-per-node.*'-2'"),
+    (["--nproc-per-node", "0"], "--nproc-per-node.*'0'"),
+    (["--master-port", "99999"], r"--master-port.*expected an int in \[1, 65535\], got '99999'"),
+    (["--max-restarts", "-1"], "--max-restarts: expected an int >= 0, got '-1'"),
+    (["--monitor-interval", "-1"], "--monitor-interval: expected a number of seconds > 0"),
+    (["--monitor-interval", "nan"], "--monitor-interval: .*'nan'"),
+    (["--shutdown-timeout", "-3"], "--shutdown-timeout: expected an int >= 0, got '-3'"),
+    (["--nnodes", "0"], "--nnodes.*'0'"),
+    (["--nnodes", "2"], "--nnodes 2 needs --master-addr and --master-port"),
+    (["--nnodes", "2", "--node-rank", "2", "--master-port", "29500"], "--node-rank must be in"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_run_argument_errors(capsys, bad, said) -> None:
+    """A bad call is one line on stderr and exit 2, before any worker starts."""
+    import re
+
     with pytest.raises(SystemExit) as info:
-        cli_main(["run", "--nnodes", "2", "script.py"])
+        cli_main(["run", *bad, str(SCRIPT)])
     assert info.value.code == 2
-    assert "--master-port" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("fullshard run: error: ") and re.search(said, err), err
+
+
+def test_run_of_a_missing_script_starts_nothing(tmp_path: Path) -> None:
+    proc = subprocess.run([*FULLSHARD, "run", "--nproc-per-node", "2", "nope.py", "--x"],
+                          cwd=tmp_path, env=child_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    assert proc.stderr.strip().splitlines() == [
+        f"fullshard run: error: the script 'nope.py' does not exist (from {tmp_path}); give "
+        f"a path to a Python file, or -m and a module name (see --help)"], proc.stderr
 
 
 def test_torchrun_argv() -> None:
