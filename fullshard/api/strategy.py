@@ -329,7 +329,10 @@ class FSDPStrategy:
 
     def setup_environment(self) -> None:
         """Join (or create) the default process group for this rank."""
+        from torch.distributed.constants import default_pg_timeout
+
         from fullshard.launch.subprocess_script import install_rank_hooks
+        from fullshard.launch.torchrun import attempt_store
 
         env = self._environment()
         self._set_world_ranks()
@@ -343,6 +346,9 @@ class FSDPStrategy:
             kwargs: dict[str, Any] = {}
             if self._timeout is not None:
                 kwargs["timeout"] = self._timeout
+            store = attempt_store(self._timeout or default_pg_timeout)  # restarts: see there
+            if store is not None:
+                kwargs["store"] = store
             dist.init_process_group(
                 self.process_group_backend, rank=env.global_rank(), world_size=world, **kwargs
             )
