@@ -363,6 +363,9 @@ class FSDPStrategy:
         install_rank_hooks(dist.get_rank(), self.local_rank)
 
     def teardown(self) -> None:
+        from fullshard.launch.silence import stop_heartbeat
+
+        stop_heartbeat()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
 

@@ -36,6 +36,7 @@ from datetime import timedelta
 from typing import Any
 
 from fullshard.launch import failures
+from fullshard.launch.subprocess_script import AGENT_PID_VAR
 
 
 def _torchrun_options() -> set[str]:
@@ -92,6 +93,7 @@ def run_with_torchrun(argv: Sequence[str]) -> int:
 
     directory = failures.make_failure_directory()  # the workers inherit it
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # see the module doc
+    os.environ[AGENT_PID_VAR] = str(os.getpid())  # the workers die with this process
     try:
         torchrun_main(list(argv))
     except ChildFailedError as e:

@@ -115,3 +115,42 @@ def test_unpicklable_fn_leaves_group_intact(group2: DistributedGroup) -> None:
 
 def test_run_distributed_one_shot() -> None:
     assert [t.item() for t in run_distributed(_all_reduce_ranks, 2)] == [3.0, 3.0]
+
+
+# -- silence: a rank that stops answering without dying (fullshard.launch.silence) ----------
+def _go_silent(stop_rank: int, bound: float, path: str) -> int:
+    import signal
+
+    from fullshard.launch.failures import FAILURE_DIR_VAR
+    from fullshard.launch.silence import start_heartbeat
+
+    os.environ[FAILURE_DIR_VAR] = os.path.dirname(path)  # where the verdict is recorded
+    assert start_heartbeat(dist.get_rank(), dist.get_rank(), timeout=bound)
+    dist.barrier()
+    time.sleep(1.0)  # a few beats each, so both have been seen alive
+    if dist.get_rank() == stop_rank:
+        _note_time(path)
+        os.kill(os.getpid(), signal.SIGSTOP)  # alive, but answers nothing
+    dist.barrier()  # the other rank blocks here: its heartbeat must end it
+    return 0
+
+
+@pytest.mark.parametrize("stop_rank, said", [
+    (1, r"rank 1 \(host \S+, pid \d+\) has not answered for \d+ s \(silence bound 3 s"),
+    # Rank 0 also hosts the store: the others find the store silent.
+    (0, r"the store at 127\.0\.0\.1:\d+ \(rank 0's host.*has not answered for \d+ s"),
+], ids=["peer", "store-host"])
+def test_a_silent_rank_fails_the_others_in_the_bound(group2: DistributedGroup, tmp_path,
+                                                    stop_rank: int, said: str) -> None:
+    import re
+
+    from fullshard.launch.failures import read_failures
+
+    with pytest.raises(RankFailure) as info:
+        group2.run(_go_silent, stop_rank, 3.0, str(tmp_path / "t"), timeout=120)
+    other = 1 - stop_rank
+    assert "exit code 1" in info.value.failures[other], str(info.value)
+    assert _since(tmp_path / "t") < 3.0 + 10  # the bound, plus a loaded machine's slack
+    records = read_failures(str(tmp_path))  # what a launcher reports as the first failure
+    assert list(records) == [other], records
+    assert re.match(f"SilentRank: {said}", records[other].error), records[other]
