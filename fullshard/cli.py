@@ -127,6 +127,10 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
                    help="seconds between checks of the workers' health (default: 0.1)")
     p.add_argument("--shutdown-timeout", type=_int_at_least(0), default=5, metavar="S",
                    help="seconds a worker gets to exit after SIGTERM before SIGKILL (default: 5)")
+    p.add_argument("--silence-timeout", type=_seconds(positive=False), default=None,
+                   metavar="S", help="a rank that stops answering (stopped, cut off) for S "
+                   "seconds makes the others fail, naming it; 0: off (default: 60, or "
+                   "$FULLSHARD_SILENCE_TIMEOUT)")
     p.add_argument("-m", "--module", action="store_true",
                    help="run `script` as a module, like `python -m`")
     p.add_argument("script", help="the training script (or module with -m)")
@@ -158,6 +162,10 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not args.module and not os.path.exists(args.script):
         parser.error(f"the script {args.script!r} does not exist (from {os.getcwd()}); give a "
                      f"path to a Python file, or -m and a module name")
+    if args.silence_timeout is not None:  # the workers read it (fullshard.launch.silence)
+        from fullshard.launch.silence import SILENCE_VAR
+
+        os.environ[SILENCE_VAR] = f"{args.silence_timeout:g}"
     return run_with_torchrun(argv)
 
 

@@ -276,3 +276,36 @@ def test_launch_from_an_interactive_process_says_how() -> None:
 def test_children_exit_when_rank0_is_sigkilled(tmp_path: Path) -> None:
     out = _launch_and_kill(tmp_path, "fabric", 0, "sigkill")
     assert "the launching process (local rank 0" in out or "Connection" in out
+
+
+def test_a_sigkilled_fullshard_run_takes_its_workers_with_it(tmp_path: Path) -> None:
+    """torchelastic starts the workers in sessions of their own: without fullshard's
+    parent-death watch they trained on after their launcher was SIGKILLed. A plain `fsdp()`
+    script (not Fabric) gets it too."""
+    import signal
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    proc = subprocess.Popen(
+        [*FULLSHARD, "run", "--nproc-per-node", "2", str(ROOT / "tests/distributed/"
+         "plain_fsdp_loop.py"), "--pids-dir", str(pids)],
+        cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while len(list(pids.glob("rank*.pid"))) < 2 and proc.poll() is None:
+            assert time.monotonic() < deadline, "the workers did not start"
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        workers = [int(p.read_text()) for p in pids.glob("rank*.pid")]
+        proc.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        proc.wait()
+        while not all(_gone(p) for p in workers) and time.monotonic() - killed < 10:
+            time.sleep(0.1)
+        left = [p for p in workers if not _gone(p)]
+    finally:
+        for pid in [int(p.read_text()) for p in pids.glob("rank*.pid")]:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.kill()
+    assert not left, f"workers {left} still running 10 s after their launcher was SIGKILLed"
