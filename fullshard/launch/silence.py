@@ -26,8 +26,8 @@ reports: the thread then just stops.
 
 The bound: `FULLSHARD_SILENCE_TIMEOUT` seconds (`fullshard run --silence-timeout S`), default
 60; 0 turns detection off. Started by `install_rank_hooks` (fullshard's process-group init and
-`fsdp()`); `stop_heartbeat` (at exit, after the exit barrier, or `FSDPStrategy.teardown`) marks
-the rank done and joins the thread.
+`fsdp()`); at exit the rank is marked done first (`_at_exit`), and `stop_heartbeat` (after
+fullshard's exit barrier, or from `FSDPStrategy.teardown`) stops and joins both threads.
 """
 
 from __future__ import annotations
@@ -159,13 +159,16 @@ class _Heartbeat:
         _say(message)
         os._exit(1)
 
+    def mark_done(self) -> None:
+        try:
+            self.store.set(f"done/{self.rank}", "1")
+        except Exception:  # noqa: BLE001 - the peers' stores may be gone already
+            pass
+
     def stop(self, done: bool) -> None:
         self.stopped.set()
         if done:
-            try:
-                self.store.set(f"done/{self.rank}", "1")
-            except Exception:  # noqa: BLE001 - the peers' stores may be gone already
-                pass
+            self.mark_done()
         for thread in self.threads:  # one blocked in a store op is left behind (daemon)
             if thread is not threading.current_thread() and thread.is_alive():
                 thread.join(timeout=2 * self.interval + 1)
@@ -201,8 +204,25 @@ def start_heartbeat(rank: int, local_rank: int, *, timeout: float | None = None)
                                 world, bound)
         for thread in _HEARTBEAT.threads:
             thread.start()
-    atexit.register(stop_heartbeat)
+    atexit.register(_at_exit)
     return True
+
+
+def _at_exit() -> None:
+    """This rank is ending: tell the peers (its silence from now on is no failure), but keep
+    watching them while the process group lives -- fullshard's own exit handler, registered
+    before this one and so run after it, waits for every rank in a barrier and then stops the
+    heartbeat (`stop_heartbeat`); a peer that goes silent during that barrier is still caught.
+    Without a process group there is nothing left to watch."""
+    import torch.distributed as dist
+
+    beat = _HEARTBEAT
+    if beat is None:
+        return
+    if dist.is_available() and dist.is_initialized():
+        beat.mark_done()
+    else:
+        stop_heartbeat()
 
 
 def stop_heartbeat(done: bool = True) -> None:
