@@ -5,11 +5,13 @@ uninterrupted one-process run's (fp32 rtol 1e-5, atol 1e-6).
 
     python benchmarks/restart_trials.py --trials 10                 # --standalone (c10d)
     python benchmarks/restart_trials.py --trials 10 --static        # static rendezvous
-    python benchmarks/restart_trials.py --trials 10 --torch-default # torch's shared store
+    python benchmarks/restart_trials.py --trials 10 --torch-default # keep the shared store
 
-`--torch-default` runs the workers with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=0 (torchelastic's
-default, what the launcher used to do) to show the failure this fixes. Not part of the test
-suite (one trial is: tests/distributed/test_restart.py).
+`--torch-default` keeps torchelastic's shared store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=0, what
+the launcher used to run with), so only FSDPStrategy's per-attempt store prefix keeps the
+attempts apart. Other jobs on the machine slow the trials down; run it under
+`flock /tmp/fullshard-bench.lock`. Not part of the test suite (one trial is:
+tests/distributed/test_restart.py).
 """
 
 from __future__ import annotations
@@ -81,9 +83,9 @@ def main() -> None:
         results.append(result)
         print(f"trial {i}: kill {what}: {result} ({took:.0f} s)", flush=True)
     ok = results.count("ok")
+    store = "shared store, per-attempt prefix" if args.torch_default else "fresh store"
     print(f"{ok} of {args.trials} came back with the uninterrupted run's parameters "
-          f"(rendezvous: {'static' if args.static else 'standalone'}, "
-          f"{'torch default store sharing' if args.torch_default else 'fullshard'})")
+          f"(rendezvous: {'static' if args.static else 'standalone'}, {store})")
 
 
 if __name__ == "__main__":
