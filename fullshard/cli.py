@@ -15,6 +15,8 @@ with `set_defaults(handler=...)`, and call it from `build_parser`.
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 from collections.abc import Sequence
 
@@ -35,6 +37,67 @@ process fails, the others are stopped and the command exits non-zero, naming the
 """
 
 
+def _int_at_least(low: int, high: int | None = None):
+    """An argparse `type=`: an int in [low, high]; otherwise argparse's one-line error saying
+    what was given and what is accepted."""
+
+    def parse(text: str) -> int:
+        accepted = f"an int >= {low}" if high is None else f"an int in [{low}, {high}]"
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {accepted}, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {accepted}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _seconds(*, positive: bool):
+    """An argparse `type=`: a finite number of seconds, > 0 (`positive`) or >= 0."""
+
+    def parse(text: str) -> float:
+        accepted = "a number of seconds " + ("> 0" if positive else ">= 0")
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {accepted}, got {text!r}") from None
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            raise argparse.ArgumentTypeError(f"expected {accepted}, got {text!r}")
+        return value
+
+    return parse
+
+
+_NPROC_WORDS = ("auto", "cpu", "gpu")
+
+
+def _nproc(text: str) -> int | str:
+    """`--nproc-per-node`: an int >= 1 or one of torchrun's words."""
+    if text in _NPROC_WORDS:
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected an int >= 1 or one of {', '.join(_NPROC_WORDS)}, got {text!r}"
+        )
+    return value
+
+
+def _one_line_errors(parser: argparse.ArgumentParser) -> None:
+    """Make `parser` report a bad call as one line on stderr (exit 2), without the usage
+    block: the message names the argument, what was given and what is accepted."""
+
+    def error(message: str) -> None:  # argparse's contract: never returns
+        parser.exit(2, f"{parser.prog}: error: {message} (see --help)\n")
+
+    parser.error = error  # type: ignore[method-assign]
+
+
 def _add_run(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "run",
@@ -44,44 +107,47 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
         epilog=_RUN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--nproc-per-node", "--nproc_per_node", "--nproc", "--devices", default="1",
-                   metavar="N", help="processes on this machine: an int, or torchrun's 'auto', "
-                   "'cpu', 'gpu' (default: 1)")
-    p.add_argument("--nnodes", "--num-nodes", type=int, default=1, metavar="M",
+    _one_line_errors(p)
+    p.add_argument("--nproc-per-node", "--nproc_per_node", "--nproc", "--devices", default=1,
+                   type=_nproc, metavar="N", help="processes on this machine: an int, or "
+                   "torchrun's 'auto', 'cpu', 'gpu' (default: 1)")
+    p.add_argument("--nnodes", "--num-nodes", type=_int_at_least(1), default=1, metavar="M",
                    help="number of machines (default: 1)")
-    p.add_argument("--node-rank", "--node_rank", type=int, default=0, metavar="K",
+    p.add_argument("--node-rank", "--node_rank", type=_int_at_least(0), default=0, metavar="K",
                    help="this machine's index in [0, M) (default: 0)")
     p.add_argument("--master-addr", "--master_addr", "--main-address", default="127.0.0.1",
                    metavar="A", help="address of the machine with --node-rank 0 "
                    "(default: 127.0.0.1)")
-    p.add_argument("--master-port", "--master_port", "--main-port", type=int, default=None,
-                   metavar="P", help="a free port on that machine; required with --nnodes > 1 "
-                   "(default: a free port, single machine only)")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="R",
+    p.add_argument("--master-port", "--master_port", "--main-port", type=_int_at_least(1, 65535),
+                   default=None, metavar="P", help="a free port on that machine; required with "
+                   "--nnodes > 1 (default: a free port, single machine only)")
+    p.add_argument("--max-restarts", type=_int_at_least(0), default=0, metavar="R",
                    help="restart the whole group up to R times after a failure (default: 0)")
-    p.add_argument("--monitor-interval", type=float, default=0.1, metavar="S",
+    p.add_argument("--monitor-interval", type=_seconds(positive=True), default=0.1, metavar="S",
                    help="seconds between checks of the workers' health (default: 0.1)")
-    p.add_argument("--shutdown-timeout", type=int, default=5, metavar="S",
+    p.add_argument("--shutdown-timeout", type=_int_at_least(0), default=5, metavar="S",
                    help="seconds a worker gets to exit after SIGTERM before SIGKILL (default: 5)")
+    p.add_argument("--silence-timeout", type=_seconds(positive=False), default=None,
+                   metavar="S", help="a rank that stops answering (stopped, cut off) for S "
+                   "seconds makes the others fail, naming it; 0: off (default: 60, or "
+                   "$FULLSHARD_SILENCE_TIMEOUT)")
     p.add_argument("-m", "--module", action="store_true",
                    help="run `script` as a module, like `python -m`")
     p.add_argument("script", help="the training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER,
                    help="arguments passed on to the script")
-    p.set_defaults(handler=_run)
+    # Errors found after parsing go through `run`'s parser too: one line, exit 2.
+    p.set_defaults(handler=lambda args, _top: _run(args, p))
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from fullshard.launch.torchrun import run_with_torchrun, torchrun_argv
 
-    nproc: str | int = args.nproc_per_node
-    if isinstance(nproc, str) and nproc.isdigit():
-        nproc = int(nproc)
     try:
         argv = torchrun_argv(
             args.script,
             args.script_args,
-            nproc_per_node=nproc,
+            nproc_per_node=args.nproc_per_node,
             nnodes=args.nnodes,
             node_rank=args.node_rank,
             master_addr=args.master_addr,
@@ -93,6 +159,13 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         )
     except ValueError as e:
         parser.error(str(e))
+    if not args.module and not os.path.exists(args.script):
+        parser.error(f"the script {args.script!r} does not exist (from {os.getcwd()}); give a "
+                     f"path to a Python file, or -m and a module name")
+    if args.silence_timeout is not None:  # the workers read it (fullshard.launch.silence)
+        from fullshard.launch.silence import SILENCE_VAR
+
+        os.environ[SILENCE_VAR] = f"{args.silence_timeout:g}"
     return run_with_torchrun(argv)
 
 

@@ -154,7 +154,10 @@ class RankPlacement:
 
     def setup_environment(self) -> None:
         """Join (or create) the default process group for this rank."""
+        from torch.distributed.constants import default_pg_timeout
+
         from fullshard.launch.subprocess_script import install_rank_hooks
+        from fullshard.launch.torchrun import attempt_store
 
         env = self._environment()
         self._set_world_ranks()
@@ -168,6 +171,9 @@ class RankPlacement:
             kwargs: dict[str, Any] = {}
             if self._timeout is not None:
                 kwargs["timeout"] = self._timeout
+            store = attempt_store(self._timeout or default_pg_timeout)  # restarts: see there
+            if store is not None:
+                kwargs["store"] = store
             dist.init_process_group(
                 self.process_group_backend, rank=env.global_rank(), world_size=world, **kwargs
             )
@@ -182,10 +188,12 @@ class RankPlacement:
         install_rank_hooks(dist.get_rank(), self.local_rank)
 
     def teardown(self) -> None:
-        """End the run in this process: stop the launcher's watch threads (they would outlive
-        the run otherwise) and destroy the process group."""
+        """End the run in this process: stop the launcher's watch threads and the heartbeat
+        (they would outlive the run otherwise) and destroy the process group."""
+        from fullshard.launch.silence import stop_heartbeat
         from fullshard.launch.subprocess_script import stop_watch_threads
 
+        stop_heartbeat()
         stop_watch_threads()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

@@ -140,6 +140,7 @@ def destroy_process_group_at_exit() -> None:
     """An `atexit` handler for a group fullshard initialized. At a normal exit: wait for every
     rank, then tear the group down, so no rank closes its connections while a peer still
     talks to it. After a failure: just tear down."""
+    from fullshard.launch.silence import stop_heartbeat
     from fullshard.launch.subprocess_script import launcher_ends_this_process, rank_failed
 
     if not (dist.is_available() and dist.is_initialized()) or launcher_ends_this_process():
@@ -149,6 +150,7 @@ def destroy_process_group_at_exit() -> None:
             barrier(Group.from_process_group(None))
     except Exception:  # noqa: BLE001 - a peer is gone; nothing left to wait for
         pass
+    stop_heartbeat()  # after the barrier: a peer silent in it is still detected
     # Free finished Works and the tensors they hold while the interpreter can still take
     # them: freed by gloo's threads during finalization, they abort the process.
     gc.collect()

@@ -13,7 +13,10 @@ the 30-minute collective timeout):
   death is what usually makes rank 0 fail: the ranks' failure records, `failures.py`, say
   which came first) and ends the children before exiting;
 - every child polls its parent: if rank 0 disappears (even SIGKILLed, when no handler can
-  run), the child says so and exits at once;
+  run), the child says so and exits at once; a worker of `fullshard run` dies with that
+  launcher too (`_die_with_agent`);
+- every rank runs a heartbeat (`silence.py`): a rank that stops answering without dying
+  (SIGSTOP, a cut link) makes the others fail within a bound, naming it;
 - at a normal end rank 0 waits for its children and exits non-zero if any of them failed.
 """
 
@@ -31,8 +34,11 @@ from typing import Any, ClassVar
 
 from fullshard.distributed.environment import ClusterEnvironment
 from fullshard.launch import failures
+from fullshard.launch.silence import start_heartbeat
 
 _PARENT_PID_VAR = "FULLSHARD_LAUNCHER_PID"
+AGENT_PID_VAR = "FULLSHARD_AGENT_PID"  # set by `fullshard run` for its workers
+_PR_SET_PDEATHSIG = 1
 _POLL_S = 0.1
 _TERM_GRACE_S = 2.0
 # How long a failing rank 0 waits for the exit code of a child it knows failed first (from
@@ -66,7 +72,8 @@ def _say(msg: str) -> None:
 
 def install_rank_hooks(global_rank: int, local_rank: int) -> None:
     """Name this rank when it dies of an uncaught exception; in a child of our launcher, also
-    exit as soon as the launching process (rank 0) is gone. Idempotent."""
+    exit as soon as the launching process (rank 0, or `fullshard run`) is gone; start the
+    heartbeat (`silence.py`). Call after the process group exists. Idempotent."""
     global _HOOKED_RANK
     if _HOOKED_RANK is not None:
         return
@@ -92,7 +99,12 @@ def install_rank_hooks(global_rank: int, local_rank: int) -> None:
     parent = os.environ.get(_PARENT_PID_VAR)
     if parent and parent.isdigit() and int(parent) != os.getpid():
         WatchThread(_watch_parent, int(parent), global_rank,
+                    f"the launching process (local rank 0, pid {parent})",
                     name="fullshard-parent-watch").start()
+    agent = os.environ.get(AGENT_PID_VAR)
+    if agent and agent.isdigit() and int(agent) == os.getppid():
+        _die_with_agent(int(agent), global_rank)
+    start_heartbeat(global_rank, local_rank)
 
 
 class WatchThread(threading.Thread):
@@ -154,13 +166,30 @@ def _launcher_gone() -> bool:
                 and os.getppid() != int(parent))
 
 
-def _watch_parent(parent_pid: int, global_rank: int, stopped: threading.Event) -> None:
+def _die_with_agent(agent_pid: int, global_rank: int) -> None:
+    """A worker of `fullshard run`: die with the launcher even if it is SIGKILLed (torchelastic
+    starts the workers in sessions of their own, so nothing else would end them). On Linux the
+    kernel does it (`PR_SET_PDEATHSIG`, no thread); elsewhere a thread polls the parent."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
+                if os.getppid() != agent_pid:  # it died before the call took effect
+                    os._exit(1)
+                return
+        except (OSError, AttributeError):
+            pass
+    WatchThread(_watch_parent, agent_pid, global_rank,
+                f"the fullshard run launcher (pid {agent_pid})",
+                name="fullshard-parent-watch").start()
+
+
+def _watch_parent(parent_pid: int, global_rank: int, who: str, stopped: threading.Event) -> None:
     while not stopped.is_set():
         if os.getppid() != parent_pid:
-            _say(
-                f"rank {global_rank} (pid {os.getpid()}): the launching process (local rank 0, "
-                f"pid {parent_pid}) is gone; exiting."
-            )
+            _say(f"rank {global_rank} (pid {os.getpid()}): {who} is gone; exiting.")
             # A SIGKILLed launcher cleaned nothing up; its failure records have no reader.
             failures.remove_failure_directory(os.environ.get(failures.FAILURE_DIR_VAR))
             os._exit(1)

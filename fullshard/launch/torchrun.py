@@ -12,16 +12,31 @@ One node: `--standalone` (a rendezvous on a free local port) unless a master por
 Several nodes: the static rendezvous at `--master-addr:--master-port`, one invocation per node
 with its `--node-rank`. The rank named as the first failure is this node's earliest recorded
 one (`fullshard.launch.failures`).
+
+Restarts (`--max-restarts K`). torchelastic lets the workers share its rendezvous store and
+keeps that store across attempts, so the process group of attempt 2 finds attempt 1's keys
+(each rank's gloo address) already there: a new rank may read a dead rank's address and fail
+with "connectFullMesh failed ... Connection refused", or wait forever. Two fixes, either
+enough on its own:
+- the launcher sets `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (unless the user set it): with the
+  c10d rendezvous of `--standalone`, each attempt's rank 0 then hosts a fresh store;
+- the static rendezvous (several nodes) always shares the agent's store, so fullshard's own
+  process-group init (`FSDPStrategy` / `Fabric`) gives `init_process_group` that store under
+  a per-attempt prefix (`attempt_store`). A plain script that calls `init_process_group`
+  itself on several nodes keeps torch's behaviour.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 from fullshard.launch import failures
+from fullshard.launch.subprocess_script import AGENT_PID_VAR
 
 
 def _torchrun_options() -> set[str]:
@@ -77,6 +92,8 @@ def run_with_torchrun(argv: Sequence[str]) -> int:
     from torch.distributed.run import main as torchrun_main
 
     directory = failures.make_failure_directory()  # the workers inherit it
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # see the module doc
+    os.environ[AGENT_PID_VAR] = str(os.getpid())  # the workers die with this process
     try:
         torchrun_main(list(argv))
     except ChildFailedError as e:
@@ -123,3 +140,20 @@ def _first_failure(error: Any, directory: str) -> str:
            else f"exited with code {code}")
     return (f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how} "
             f"(the first failure{cause})")
+
+
+def attempt_store(timeout: timedelta) -> Any | None:
+    """For a worker of torchelastic that shares the agent's store (the static rendezvous):
+    that store under a prefix naming this attempt, for `init_process_group(store=...)`, so a
+    restarted attempt never reads the previous attempt's keys. None anywhere else (then
+    `init_process_group` makes its store from the environment as usual)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"fullshard/attempt-{attempt}/", store)

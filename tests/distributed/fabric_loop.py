@@ -18,6 +18,7 @@ import json
 import os
 import signal
 import threading
+import time
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +90,9 @@ def train(fabric: Fabric, args: argparse.Namespace) -> None:
                 logits = model(rows[:, :-1])
                 loss = F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten()) / accum
                 if step == args.fail_step and fabric.global_rank == args.fail_rank:
+                    if args.pids_dir:  # when it died: the tests time the launch from here
+                        with open(os.path.join(args.pids_dir, "failed-at"), "w") as f:
+                            f.write(repr(time.time()))
                     if args.fail_how == "raise":
                         raise RuntimeError(f"injected failure on rank {fabric.global_rank}")
                     if args.fail_how == "exit":

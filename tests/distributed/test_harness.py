@@ -36,8 +36,19 @@ def _all_reduce_ranks() -> torch.Tensor:
     return t
 
 
-def _raise_on_rank1() -> int:
+def _note_time(path: str) -> None:
+    with open(path, "w") as f:
+        f.write(repr(time.time()))
+
+
+def _since(path) -> float:
+    """Seconds since the time a rank wrote to `path` (the event a bound is timed from)."""
+    return time.time() - float(open(path).read())
+
+
+def _raise_on_rank1(path: str) -> int:
     if dist.get_rank() == 1:
+        _note_time(path)
         raise ValueError("boom from rank one")
     # Rank 0 blocks in a collective the failed rank never joins: the grace period ends it.
     dist.barrier()
@@ -48,8 +59,9 @@ def _sleep(seconds: float) -> None:
     time.sleep(seconds)
 
 
-def _exit_on_rank0() -> int:
+def _exit_on_rank0(path: str) -> int:
     if dist.get_rank() == 0:
+        _note_time(path)
         os._exit(3)
     return dist.get_rank()
 
@@ -63,11 +75,12 @@ def test_collective_across_ranks(group2: DistributedGroup) -> None:
     assert [t.tolist() for t in out] == [[3.0], [3.0]]
 
 
-def test_rank_exception_then_respawn(group2: DistributedGroup) -> None:
-    start = time.monotonic()
+# Bounds are timed from the event (a rank wrote the time just before it failed), not from the
+# call, which may first have to respawn the group: on a loaded machine that alone takes longer.
+def test_rank_exception_then_respawn(group2: DistributedGroup, tmp_path) -> None:
     with pytest.raises(RankFailure) as info:
-        group2.run(_raise_on_rank1, timeout=30)
-    assert time.monotonic() - start < 15
+        group2.run(_raise_on_rank1, str(tmp_path / "t"), timeout=60)
+    assert _since(tmp_path / "t") < 15  # the grace period (2 s) ends rank 0's barrier
     msg = str(info.value)
     assert "rank(s) 1" in msg and 1 in info.value.failures
     assert "ValueError: boom from rank one" in msg and "Traceback" in msg
@@ -85,12 +98,11 @@ def test_timeout_is_quick(group2: DistributedGroup) -> None:
     assert not group2.alive
 
 
-def test_dead_rank_is_reported(group2: DistributedGroup) -> None:
-    start = time.monotonic()
+def test_dead_rank_is_reported(group2: DistributedGroup, tmp_path) -> None:
     with pytest.raises(RankFailure, match=r"exit code 3") as info:
-        group2.run(_exit_on_rank0, timeout=30)
+        group2.run(_exit_on_rank0, str(tmp_path / "t"), timeout=60)
     assert 0 in info.value.failures
-    assert time.monotonic() - start < 10
+    assert _since(tmp_path / "t") < 10
 
 
 def test_unpicklable_fn_leaves_group_intact(group2: DistributedGroup) -> None:
@@ -103,3 +115,42 @@ def test_unpicklable_fn_leaves_group_intact(group2: DistributedGroup) -> None:
 
 def test_run_distributed_one_shot() -> None:
     assert [t.item() for t in run_distributed(_all_reduce_ranks, 2)] == [3.0, 3.0]
+
+
+# -- silence: a rank that stops answering without dying (fullshard.launch.silence) ----------
+def _go_silent(stop_rank: int, bound: float, path: str) -> int:
+    import signal
+
+    from fullshard.launch.failures import FAILURE_DIR_VAR
+    from fullshard.launch.silence import start_heartbeat
+
+    os.environ[FAILURE_DIR_VAR] = os.path.dirname(path)  # where the verdict is recorded
+    assert start_heartbeat(dist.get_rank(), dist.get_rank(), timeout=bound)
+    dist.barrier()
+    time.sleep(1.0)  # a few beats each, so both have been seen alive
+    if dist.get_rank() == stop_rank:
+        _note_time(path)
+        os.kill(os.getpid(), signal.SIGSTOP)  # alive, but answers nothing
+    dist.barrier()  # the other rank blocks here: its heartbeat must end it
+    return 0
+
+
+@pytest.mark.parametrize("stop_rank, said", [
+    (1, r"rank 1 \(host \S+, pid \d+\) has not answered for \d+ s \(silence bound 3 s"),
+    # Rank 0 also hosts the store: the others find the store silent.
+    (0, r"the store at 127\.0\.0\.1:\d+ \(rank 0's host.*has not answered for \d+ s"),
+], ids=["peer", "store-host"])
+def test_a_silent_rank_fails_the_others_in_the_bound(group2: DistributedGroup, tmp_path,
+                                                    stop_rank: int, said: str) -> None:
+    import re
+
+    from fullshard.launch.failures import read_failures
+
+    with pytest.raises(RankFailure) as info:
+        group2.run(_go_silent, stop_rank, 3.0, str(tmp_path / "t"), timeout=120)
+    other = 1 - stop_rank
+    assert "exit code 1" in info.value.failures[other], str(info.value)
+    assert _since(tmp_path / "t") < 3.0 + 10  # the bound, plus a loaded machine's slack
+    records = read_failures(str(tmp_path))  # what a launcher reports as the first failure
+    assert list(records) == [other], records
+    assert re.match(f"SilentRank: {said}", records[other].error), records[other]

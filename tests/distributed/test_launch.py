@@ -1,6 +1,6 @@
 """Launching: `fullshard run` arguments and help, environment detection, and rank death -- a
 rank raising / exiting / SIGKILLed mid-step under `fullshard run` and under Fabric.launch():
-every process gone and a non-zero exit within 30 s, the failing rank named."""
+every process gone and a non-zero exit within 20 s of the death, the failing rank named."""
 
 from __future__ import annotations
 
@@ -38,11 +38,39 @@ def test_run_help(capsys) -> None:
     assert proc.returncode == 0 and "torch.distributed.run" in proc.stdout
 
 
-def test_run_argument_errors(capsys) -> None:
+@pytest.mark.parametrize("bad, said", [
+    (["--nproc-per-node", "abc"], "--nproc-per-node.*expected an int >= 1 or one of auto.*'abc'"),
+    (["--nproc-per-node", "-2"], "--nproc-per-node.*'-2'"),
+    (["--nproc-per-node", "0"], "--nproc-per-node.*'0'"),
+    (["--master-port", "99999"], r"--master-port.*expected an int in \[1, 65535\], got '99999'"),
+    (["--max-restarts", "-1"], "--max-restarts: expected an int >= 0, got '-1'"),
+    (["--monitor-interval", "-1"], "--monitor-interval: expected a number of seconds > 0"),
+    (["--monitor-interval", "nan"], "--monitor-interval: .*'nan'"),
+    (["--shutdown-timeout", "-3"], "--shutdown-timeout: expected an int >= 0, got '-3'"),
+    (["--nnodes", "0"], "--nnodes.*'0'"),
+    (["--nnodes", "2"], "--nnodes 2 needs --master-addr and --master-port"),
+    (["--nnodes", "2", "--node-rank", "2", "--master-port", "29500"], "--node-rank must be in"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_run_argument_errors(capsys, bad, said) -> None:
+    """A bad call is one line on stderr and exit 2, before any worker starts."""
+    import re
+
     with pytest.raises(SystemExit) as info:
-        cli_main(["run", "--nnodes", "2", "script.py"])
+        cli_main(["run", *bad, str(SCRIPT)])
     assert info.value.code == 2
-    assert "--master-port" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("fullshard run: error: ") and re.search(said, err), err
+
+
+def test_run_of_a_missing_script_starts_nothing(tmp_path: Path) -> None:
+    proc = subprocess.run([*FULLSHARD, "run", "--nproc-per-node", "2", "nope.py", "--x"],
+                          cwd=tmp_path, env=child_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    assert proc.stderr.strip().splitlines() == [
+        f"fullshard run: error: the script 'nope.py' does not exist (from {tmp_path}); give "
+        f"a path to a Python file, or -m and a module name (see --help)"], proc.stderr
 
 
 def test_torchrun_argv() -> None:
@@ -165,6 +193,12 @@ def _gone(pid: int) -> bool:
         return True
 
 
+# From a rank's death to the launcher's exit: the watchdogs poll every 0.1 s, a stopped rank
+# gets 2 s (Fabric) / 5 s (torchelastic's shutdown timeout) after SIGTERM, and the rest is
+# dying processes tearing down on a loaded machine.
+_ENDS_WITHIN_S = 20.0
+
+
 def _launch_and_kill(tmp_path: Path, launcher: str, fail_rank: int, how: str) -> str:
     pids = tmp_path / "pids"
     pids.mkdir()
@@ -176,18 +210,22 @@ def _launch_and_kill(tmp_path: Path, launcher: str, fail_rank: int, how: str) ->
         cmd = [sys.executable, *args, "--devices", "2"]
     tmp = tmp_path / "tmp"  # the launch's temporary files, to check that none is left over
     tmp.mkdir()
-    start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**child_env(), "TMPDIR": str(tmp)},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        out = proc.communicate(timeout=60)[0]
+    try:  # generous: starting Python, torch and the ranks is slow on a loaded machine
+        out = proc.communicate(timeout=240)[0]
     except subprocess.TimeoutExpired:
         proc.kill()
         raise
-    elapsed = time.monotonic() - start
+    ended = time.time()
     assert proc.returncode != 0, out[-3000:]
-    assert elapsed < 30, f"took {elapsed:.1f}s\n{out[-3000:]}"
-    recorded = [int(p.read_text()) for p in pids.iterdir()]
+    # Timed from the death itself (the failing rank wrote the time just before it), not from
+    # the start: start-up time is not what this bounds.
+    died = pids / "failed-at"
+    assert died.exists(), f"no rank reached the failure\n{out[-3000:]}"
+    elapsed = ended - float(died.read_text())
+    assert elapsed < _ENDS_WITHIN_S, f"took {elapsed:.1f}s after the death\n{out[-3000:]}"
+    recorded = [int(p.read_text()) for p in pids.glob("rank*.pid")]
     assert len(recorded) == 2, out[-3000:]
     deadline = time.monotonic() + 5  # the launcher has exited; its children must be gone too
     while not all(_gone(p) for p in recorded) and time.monotonic() < deadline:
@@ -238,3 +276,36 @@ def test_launch_from_an_interactive_process_says_how() -> None:
 def test_children_exit_when_rank0_is_sigkilled(tmp_path: Path) -> None:
     out = _launch_and_kill(tmp_path, "fabric", 0, "sigkill")
     assert "the launching process (local rank 0" in out or "Connection" in out
+
+
+def test_a_sigkilled_fullshard_run_takes_its_workers_with_it(tmp_path: Path) -> None:
+    """torchelastic starts the workers in sessions of their own: without fullshard's
+    parent-death watch they trained on after their launcher was SIGKILLed. A plain `fsdp()`
+    script (not Fabric) gets it too."""
+    import signal
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    proc = subprocess.Popen(
+        [*FULLSHARD, "run", "--nproc-per-node", "2", str(ROOT / "tests/distributed/"
+         "plain_fsdp_loop.py"), "--pids-dir", str(pids)],
+        cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while len(list(pids.glob("rank*.pid"))) < 2 and proc.poll() is None:
+            assert time.monotonic() < deadline, "the workers did not start"
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        workers = [int(p.read_text()) for p in pids.glob("rank*.pid")]
+        proc.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        proc.wait()
+        while not all(_gone(p) for p in workers) and time.monotonic() - killed < 10:
+            time.sleep(0.1)
+        left = [p for p in workers if not _gone(p)]
+    finally:
+        for pid in [int(p.read_text()) for p in pids.glob("rank*.pid")]:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.kill()
+    assert not left, f"workers {left} still running 10 s after their launcher was SIGKILLed"

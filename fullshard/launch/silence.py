@@ -1,0 +1,235 @@
+"""Silence detection: a rank (or host) that stops answering makes the others fail within a
+bound, naming it, instead of hanging in a collective for gloo's 30-minute timeout.
+
+A rank that is SIGSTOPped, swapped out or cut off by the network does not die, so neither
+its launcher nor its peers' connections notice: the peers wait in their next collective until
+the process-group timeout. Here every rank runs one heartbeat thread (`fullshard-heartbeat`)
+over the process group's store (a TCPStore: a second connection to it, so the main thread's
+store traffic is not held up), and a second thread (`fullshard-heartbeat-judge`) times the
+store's answers, since a store op to a stopped host can block with no timeout:
+
+- every `interval` (bound / 10, 0.2-5 s) it adds 1 to its counter `beat/<rank>`;
+- rank 0 reads every peer's counter, every other rank reads rank 0's, and a peer whose counter
+  has not moved for `bound` seconds (by this process's clock: no clocks are compared) is
+  silent; rank 0 also posts its verdict, which every rank reads and fails with;
+- a store that does not answer for `bound` seconds means its host (rank 0's, or node 0's
+  launcher) is silent or cut off;
+- a failing rank says which rank, host and pid went silent, writes a failure record
+  (`failures.py`) and exits with status 1 (`os._exit`: the main thread is blocked in a
+  collective that cannot be interrupted), so the launcher stops the rest.
+
+Only counters that have moved are judged: a rank that has not started its heartbeat yet (it
+is still loading data before its first `fsdp()`) is not called silent. At a normal end a rank
+marks `done/<rank>` before its heartbeat stops, so a peer that exits early is not silent
+either; a store that refuses connections belongs to a process that ended, which its launcher
+reports: the thread then just stops.
+
+The bound: `FULLSHARD_SILENCE_TIMEOUT` seconds (`fullshard run --silence-timeout S`), default
+60; 0 turns detection off. Started by `install_rank_hooks` (fullshard's process-group init and
+`fsdp()`); at exit the rank is marked done first (`_at_exit`), and `stop_heartbeat` (after
+fullshard's exit barrier, or from `FSDPStrategy.teardown`) stops and joins both threads.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+from fullshard.launch import failures
+
+SILENCE_VAR = "FULLSHARD_SILENCE_TIMEOUT"
+DEFAULT_SILENCE_S = 60.0
+_PREFIX = "fullshard/heartbeat/"
+
+
+def silence_timeout() -> float:
+    """The bound in seconds from `FULLSHARD_SILENCE_TIMEOUT` (0: off)."""
+    text = os.environ.get(SILENCE_VAR, "").strip()
+    if not text:
+        return DEFAULT_SILENCE_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(
+            f"{SILENCE_VAR}={text!r}: expected a number of seconds >= 0 (0 turns silence "
+            f"detection off)"
+        )
+    return value
+
+
+def _is_timeout(error: BaseException) -> bool:
+    """A store op that got no answer in time (not a closed or refused connection)."""
+    text = str(error).lower()
+    return "timeout" in text or "timed out" in text
+
+
+class _Heartbeat:
+    def __init__(self, store: Any, keep: Any, rank: int, local_rank: int, world: int,
+                 bound: float) -> None:
+        self.store, self._keep = store, keep  # `keep`: rank 0's store server stays up
+        self.rank, self.local_rank, self.world, self.bound = rank, local_rank, world, bound
+        self.interval = min(5.0, max(0.2, bound / 10))
+        self.stopped = threading.Event()
+        self.last_answer = time.monotonic()
+        self.store_gone = False
+        self.threads = [
+            threading.Thread(target=self._loop, daemon=True, name="fullshard-heartbeat"),
+            threading.Thread(target=self._judge, daemon=True, name="fullshard-heartbeat-judge"),
+        ]
+        self._seen: dict[int, tuple[int, float]] = {}  # peer -> (counter, when it moved)
+
+    def _watched(self) -> list[int]:
+        return [r for r in range(self.world) if r != self.rank] if self.rank == 0 else [0]
+
+    def _who(self, rank: int) -> str:
+        try:
+            return self.store.get(f"who/{rank}").decode()
+        except Exception:  # noqa: BLE001 - only for the message
+            return f"rank {rank}"
+
+    def _loop(self) -> None:
+        """The store traffic: beat, read the watched counters, post or read a verdict."""
+        try:
+            self.store.set(f"who/{self.rank}", f"rank {self.rank} (host {socket.gethostname()}, "
+                                               f"pid {os.getpid()})")
+        except Exception:  # noqa: BLE001 - the judge below times the store
+            pass
+        while not self.stopped.wait(self.interval):
+            try:
+                self.store.add(f"beat/{self.rank}", 1)
+                verdict = self._check()
+                self.last_answer = time.monotonic()
+            except Exception as e:  # noqa: BLE001
+                if self.stopped.is_set() or not _is_timeout(e):
+                    self.store_gone = True  # its process ended: its launcher reports that
+                    return
+                continue  # no answer in time: the judge decides when that is silence
+            if verdict and not self.stopped.is_set():
+                self._fail(verdict)
+
+    def _judge(self) -> None:
+        """A store op can block with no timeout of its own when the store's host is stopped or
+        cut off, so a second thread times the store's answers."""
+        while not self.stopped.wait(self.interval):
+            if self.store_gone:
+                return
+            silent_for = time.monotonic() - self.last_answer
+            if silent_for > self.bound and not self.stopped.is_set():
+                self._fail(
+                    f"the store at {os.environ.get('MASTER_ADDR', '?')}:"
+                    f"{os.environ.get('MASTER_PORT', '?')} (rank 0's host, or node 0's "
+                    f"launcher) has not answered for {silent_for:.0f} s: that host is stopped "
+                    f"or cut off"
+                )
+
+    def _check(self) -> str | None:
+        if self.rank != 0 and self.store.check(["verdict"]):
+            return self.store.get("verdict").decode()
+        now = time.monotonic()
+        for peer in self._watched():
+            count = self.store.add(f"beat/{peer}", 0)
+            before = self._seen.get(peer)
+            if before is None or count != before[0]:
+                self._seen[peer] = (count, now)
+                continue
+            if count > 0 and now - before[1] > self.bound:
+                if self.store.check([f"done/{peer}"]):
+                    continue
+                verdict = (f"{self._who(peer)} has not answered for {now - before[1]:.0f} s "
+                           f"(silence bound {self.bound:g} s, {SILENCE_VAR}): it is stopped, "
+                           f"hung outside Python, or cut off from the network")
+                if self.rank == 0:
+                    self.store.set("verdict", verdict)
+                return verdict
+        return None
+
+    def _fail(self, verdict: str) -> None:
+        from fullshard.launch.subprocess_script import _say
+
+        message = f"rank {self.rank} is stopping the job: {verdict}"
+        failures.record_failure(self.rank, self.local_rank, f"SilentRank: {verdict}")
+        _say(message)
+        os._exit(1)
+
+    def mark_done(self) -> None:
+        try:
+            self.store.set(f"done/{self.rank}", "1")
+        except Exception:  # noqa: BLE001 - the peers' stores may be gone already
+            pass
+
+    def stop(self, done: bool) -> None:
+        self.stopped.set()
+        if done:
+            self.mark_done()
+        for thread in self.threads:  # one blocked in a store op is left behind (daemon)
+            if thread is not threading.current_thread() and thread.is_alive():
+                thread.join(timeout=2 * self.interval + 1)
+
+
+_HEARTBEAT: _Heartbeat | None = None
+_LOCK = threading.Lock()
+
+
+def start_heartbeat(rank: int, local_rank: int, *, timeout: float | None = None) -> bool:
+    """Start this rank's heartbeat over the default process group's store (once per process;
+    `timeout` defaults to `silence_timeout()`). False when it does not run: one rank, the bound
+    is 0, or the store cannot be given a second connection."""
+    global _HEARTBEAT
+    import torch.distributed as dist
+
+    bound = silence_timeout() if timeout is None else timeout
+    if bound <= 0 or not (dist.is_available() and dist.is_initialized()):
+        return False
+    world = dist.get_world_size()
+    if world < 2:
+        return False
+    with _LOCK:
+        if _HEARTBEAT is not None:
+            return True
+        keep = dist.distributed_c10d._get_default_store()
+        try:
+            store = keep.clone()  # a second connection (TCPStore); others cannot
+        except Exception:  # noqa: BLE001 - FileStore / HashStore: no detection
+            return False
+        store.set_timeout(timedelta(seconds=max(1.0, min(bound / 4, 10.0))))
+        _HEARTBEAT = _Heartbeat(dist.PrefixStore(_PREFIX, store), keep, rank, local_rank,
+                                world, bound)
+        for thread in _HEARTBEAT.threads:
+            thread.start()
+    atexit.register(_at_exit)
+    return True
+
+
+def _at_exit() -> None:
+    """This rank is ending: tell the peers (its silence from now on is no failure), but keep
+    watching them while the process group lives -- fullshard's own exit handler, registered
+    before this one and so run after it, waits for every rank in a barrier and then stops the
+    heartbeat (`stop_heartbeat`); a peer that goes silent during that barrier is still caught.
+    Without a process group there is nothing left to watch."""
+    import torch.distributed as dist
+
+    beat = _HEARTBEAT
+    if beat is None:
+        return
+    if dist.is_available() and dist.is_initialized():
+        beat.mark_done()
+    else:
+        stop_heartbeat()
+
+
+def stop_heartbeat(done: bool = True) -> None:
+    """Stop this rank's heartbeat and join its thread; `done` tells the peers this rank ended
+    on purpose (so its silence from now on is not a failure). Idempotent."""
+    global _HEARTBEAT
+    with _LOCK:
+        beat, _HEARTBEAT = _HEARTBEAT, None
+    if beat is not None:
+        beat.stop(done)
