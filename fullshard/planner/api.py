@@ -108,7 +108,7 @@ def plan(
                              ("ranks_per_node", ranks_per_node, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    if (batch is None) != (seq is None):
+    if (batch is None) != (seq is None) and global_batch is None:
         raise ValueError("Give both batch and seq for an activation estimate, or neither "
                          f"(got batch={batch!r}, seq={seq!r}).")
     for name, value in (("batch", batch), ("seq", seq)):

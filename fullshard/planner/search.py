@@ -54,6 +54,9 @@ class SearchSpace:
     cpu_offload: tuple[bool, ...] = (False, True)
     prefetch: tuple[int, ...] = (1, 2)
     max_micro_batches: int = 64
+    micro_batch: int | None = None
+    """Only this micro-batch (None: every divisor of the per-rank batch)."""
+    no_sync: tuple[bool, ...] = (True, False)
 
 
 @dataclass
@@ -154,7 +157,8 @@ def search(
                 per_rank = global_batch // n
             else:
                 per_rank = batch or 1
-            micro = [m for m in _divisors(per_rank) if per_rank // m <= space.max_micro_batches]
+            micro = [m for m in _divisors(per_rank) if per_rank // m <= space.max_micro_batches
+                     and space.micro_batch in (None, m)]
             for name in space.strategies:
                 sp = resolve_sharding_strategy(name)
                 mesh = _mesh(name, n, rpn)
@@ -186,7 +190,7 @@ def search(
                         for offload in space.cpu_offload:
                             for mb in micro:
                                 accum = per_rank // mb
-                                for no_sync in ((True, False) if accum > 1 else (True,)):
+                                for no_sync in (space.no_sync if accum > 1 else (True,)):
                                     cfg = Config(n, name, mesh, every, offload, precision.name,
                                                  prefetch, mb, accum, no_sync)
                                     out.append(_evaluate(
