@@ -1,12 +1,13 @@
 """`--hardware local`: measure this machine in a few seconds and describe it as `Hardware`.
 
-Measured in this process, with one torch thread (as the benchmark ranks run):
+Measured in this process, with one torch thread (as the benchmark ranks run), each the median
+of a few repeats:
 
     peak_flops      FLOP/s of a (256 x 1024) @ (1024 x 1024) fp32 matmul (also used for 16-bit:
                     CPUs have no faster 16-bit path to count on); matmul_efficiency = 1
     mem_bandwidth   bytes/s of copying a 32 MiB tensor (read + write); mem_efficiency = 1
-    op_overhead     seconds per op of a chain of tiny ops run forward and backward under
-                    autograd (three kernels per op: one forward, two backward)
+    op_overhead     seconds per kernel of a tiny transformer block (width 16, 4 tokens) run
+                    forward and backward, over the kernels the profile counts (x 3)
 
 and between two gloo ranks on this machine (spawned through `fullshard.testing`, using the
 engine's own collectives), the loopback link:
@@ -34,15 +35,16 @@ from fullshard.planner.hardware import Hardware
 _CACHE: dict[str, Hardware] = {}
 
 
-def _best_of(fn, repeats: int = 5, inner: int = 1) -> float:  # type: ignore[no-untyped-def]
-    """The fastest of `repeats` timings of `inner` calls, per call (least disturbed by load)."""
-    best = float("inf")
+def _median_of(fn, repeats: int = 5, inner: int = 1) -> float:  # type: ignore[no-untyped-def]
+    """The median of `repeats` timings of `inner` calls, per call. The median, not the best:
+    on a shared machine the steps being predicted see the same load as this measurement."""
+    runs = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(inner):
             fn()
-        best = min(best, (time.perf_counter() - t0) / inner)
-    return best
+        runs.append((time.perf_counter() - t0) / inner)
+    return sorted(runs)[len(runs) // 2]
 
 
 def measure_compute() -> dict[str, float]:
@@ -51,23 +53,37 @@ def measure_compute() -> dict[str, float]:
     torch.set_num_threads(1)
     try:
         a, b = torch.randn(256, 1024), torch.randn(1024, 1024)
-        mm = _best_of(lambda: a @ b, repeats=5, inner=4)
+        mm = _median_of(lambda: a @ b, repeats=5, inner=4)
         src = torch.empty(8 * 2**20)  # 32 MiB
         dst = torch.empty_like(src)
-        copy = _best_of(lambda: dst.copy_(src), repeats=5, inner=2)
-        x = torch.randn(4, requires_grad=True)
-
-        def chain() -> None:
-            y = x
-            for _ in range(100):
-                y = y * 1.0001
-            y.sum().backward()
-
-        ops = _best_of(chain, repeats=5)
+        copy = _median_of(lambda: dst.copy_(src), repeats=5, inner=2)
+        ops = _op_seconds()
     finally:
         torch.set_num_threads(threads)
     return {"flops": 2 * 256 * 1024 * 1024 / mm, "mem_bandwidth": 2 * src.nbytes / copy,
-            "op_overhead": ops / 300}
+            "op_overhead": ops}
+
+
+def _op_seconds() -> float:
+    """Seconds per kernel of a transformer block too small for its work to count (width 16,
+    4 tokens), forward and backward, over the kernels `profile.py` counts in its forward
+    (backward: twice as many)."""
+    from fullshard.planner.profile import _WorkCounter
+    from fullshard.testing.models import Block
+
+    torch.manual_seed(0)
+    block = Block(16, 2)
+    x = torch.randn(1, 4, 16, requires_grad=True)
+    counter = _WorkCounter([0], 1)
+    with counter:
+        block(x)
+    kernels = 3 * counter.ops[0]
+
+    def step() -> None:
+        block(x).sum().backward()
+
+    step()
+    return _median_of(step, repeats=7, inner=5) / kernels
 
 
 def measure_link() -> dict[str, float]:
@@ -84,11 +100,11 @@ def measure_link() -> dict[str, float]:
     group = build_mesh(resolve_sharding_strategy("FULL_SHARD")).world
     one = torch.zeros(1)
     comm.all_reduce(one, group)
-    latency = _best_of(lambda: comm.all_reduce(one, group), repeats=5, inner=20) / 2
+    latency = _median_of(lambda: comm.all_reduce(one, group), repeats=5, inner=20) / 2
     piece = torch.zeros(2**20)  # 4 MiB per rank
     out = torch.empty(group.size * piece.numel())
     comm.all_gather(out, piece, group)
-    gather = _best_of(lambda: comm.all_gather(out, piece, group), repeats=3, inner=2)
+    gather = _median_of(lambda: comm.all_gather(out, piece, group), repeats=3, inner=2)
     bandwidth = piece.nbytes * (group.size - 1) / max(gather, 1e-9)
 
     def blocks() -> nn.Module:
@@ -102,18 +118,20 @@ def measure_link() -> dict[str, float]:
                              device="cpu")
     for m in (plain, wrapped):
         m(x).sum().backward()
-    base = _best_of(lambda: plain(x).sum().backward(), repeats=5)
-    step = _best_of(lambda: wrapped(x).sum().backward(), repeats=5)
+    base = _median_of(lambda: plain(x).sum().backward(), repeats=5)
+    step = _median_of(lambda: wrapped(x).sum().backward(), repeats=5)
     per_unit = (step - base) / (16 * 2) - 1.5 * latency  # 3 collectives per unit, 2 passes
     return {"latency": latency, "bandwidth": bandwidth, "unit_overhead": max(per_unit, 0.0)}
 
 
-def measure_local(*, link: dict[str, float] | None = None) -> Hardware:
-    """This machine as `Hardware` (module docstring); cached for the process. `link`: what
-    `measure_link()` returned on ranks already running (else two ranks are spawned)."""
-    if link is None and "local" in _CACHE:
+def measure_local(*, link: dict[str, float] | None = None,
+                  compute: dict[str, float] | None = None) -> Hardware:
+    """This machine as `Hardware` (module docstring); cached for the process. `link` /
+    `compute`: what `measure_link()` / `measure_compute()` returned on ranks already running
+    (else they are measured here, two ranks spawned for the link)."""
+    if link is None and compute is None and "local" in _CACHE:
         return _CACHE["local"]
-    compute = measure_compute()
+    compute = compute or measure_compute()
     if link is None:
         from fullshard.testing.harness import run_distributed
 
