@@ -47,8 +47,10 @@ from fullshard.planner.hardware import Hardware
 from fullshard.planner.profile import ForwardProfile
 from fullshard.planner.structure import ModelStructure
 
-ADAM_BYTES_PER_ELEMENT = 7
-"""Adam(W)'s step reads parameter, gradient, exp_avg, exp_avg_sq and writes three of them."""
+OPTIMIZER_KERNELS_PER_TENSOR = 12
+"""Kernels torch's single-tensor AdamW runs per parameter (step count, two moment updates,
+bias corrections, sqrt, division, weight decay, the update)."""
+
 
 
 @dataclass(frozen=True)
@@ -152,7 +154,10 @@ def unit_times(
 
 def optimizer_seconds(structure: ModelStructure, shard: int, precision: PrecisionSpec,
                       hardware: Hardware, *, states: int, cpu_offload: bool) -> float:
-    """The optimizer step streams each local element's parameter, gradient and state."""
+    """The optimizer step streams each local element's parameter, gradient and state, and
+    launches kernels per tensor: torch's single-tensor Adam(W) (its default off the GPU)
+    about `OPTIMIZER_KERNELS_PER_TENSOR` per parameter; on GPUs the foreach path groups the
+    tensors (counted as one kernel per tensor)."""
     nbytes = 0
     for unit in structure.units:
         for b in unit.buckets:
@@ -160,7 +165,9 @@ def optimizer_seconds(structure: ModelStructure, shard: int, precision: Precisio
                 nbytes += b.padded_shard_numel(shard) * _size(precision.dtypes(b)[0])
     per_element = 3 + 2 * states if states else 3
     bw = hardware.host_mem_bandwidth if cpu_offload else hardware.mem_bandwidth
-    return nbytes * per_element / bw
+    per_tensor = OPTIMIZER_KERNELS_PER_TENSOR if hardware.backend == "gloo" or cpu_offload else 1
+    launches = structure.trainable_tensors * per_tensor * hardware.op_overhead
+    return nbytes * per_element / bw + launches
 
 
 class _Queue:
