@@ -53,10 +53,10 @@ def measure_compute() -> dict[str, float]:
     torch.set_num_threads(1)
     try:
         a, b = torch.randn(256, 1024), torch.randn(1024, 1024)
-        mm = _median_of(lambda: a @ b, repeats=5, inner=4)
+        mm = _median_of(lambda: a @ b, repeats=5, inner=2)
         src = torch.empty(8 * 2**20)  # 32 MiB
         dst = torch.empty_like(src)
-        copy = _median_of(lambda: dst.copy_(src), repeats=5, inner=2)
+        copy = _median_of(lambda: dst.copy_(src), repeats=5)
         ops = _op_seconds()
     finally:
         torch.set_num_threads(threads)
@@ -83,7 +83,7 @@ def _op_seconds() -> float:
         block(x).sum().backward()
 
     step()
-    return _median_of(step, repeats=7, inner=5) / kernels
+    return _median_of(step, repeats=5, inner=3) / kernels
 
 
 def measure_link() -> dict[str, float]:
