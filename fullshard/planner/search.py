@@ -161,6 +161,9 @@ def search(
                      and space.micro_batch in (None, m)]
             for name in space.strategies:
                 sp = resolve_sharding_strategy(name)
+                # ZeRO-3 unless resharding is switched off: None (the engine's default, the
+                # root kept gathered) reshards the blocks as True does.
+                reshard = sp.reshard_after_forward is not False
                 mesh = _mesh(name, n, rpn)
                 if mesh is None:
                     skipped.append(f"N={n}: {name} needs a multiple of {rpn} ranks")
@@ -180,7 +183,7 @@ def search(
                     if wkey not in cache:
                         cache[wkey] = working_set_bytes(
                             cache[("costs", shard)],  # type: ignore[arg-type]
-                            reshard_after_forward=sp.reshard_after_forward, shard_size=shard,
+                            reshard_after_forward=reshard, shard_size=shard,
                             prefetch_limit=prefetch,
                             max_pending_reductions=max_pending_reductions,
                             batch_bytes=small_units_bytes() if backend == "gloo" else 0)
@@ -196,7 +199,7 @@ def search(
                                     out.append(_evaluate(
                                         cfg, structure, profile, precision, optimizer, hardware,
                                         state, working, scratch, ckpt, budget, seq, backend,
-                                        max_pending_reductions, sp.reshard_after_forward,
+                                        max_pending_reductions, reshard,
                                         names, cache))
     out.sort(key=lambda e: (not e.fits, e.time.step if e.fits else e.memory.total,
                             e.memory.total))
