@@ -166,7 +166,8 @@ def search(
                 reshard = sp.reshard_after_forward is not False
                 mesh = _mesh(name, n, rpn)
                 if mesh is None:
-                    skipped.append(f"N={n}: {name} needs a multiple of {rpn} ranks")
+                    if n > rpn:  # within one node HYBRID would be FULL_SHARD anyway
+                        skipped.append(f"N={n}: {name} needs a multiple of {rpn} ranks")
                     continue
                 if name == "HYBRID_SHARD" and mesh[0] == 1:
                     continue  # one node: the same as FULL_SHARD
@@ -240,17 +241,24 @@ def _evaluate(cfg: Config, structure: ModelStructure, profile: ForwardProfile,
 
 def activation_bytes_with(profile: ForwardProfile, checkpointed: Iterable[int],
                           micro_batch: int) -> int:
-    """Saved activations with the given units checkpointed, at `micro_batch` sequences."""
+    """Peak saved activations with the given units checkpointed, at `micro_batch` sequences.
+
+    At the end of forward every block holds what it keeps (its input when checkpointed, else
+    all it saved) and the root all it saved; backward then runs the blocks in reverse,
+    freeing each one's activations when it is done, and recomputes a checkpointed block's
+    full activations just before its backward. So the peak is the larger of the forward's end
+    and, over the blocks i, the root + what blocks before i keep + block i's full activations.
+    (The root's are counted throughout: the logits live until the loss has been
+    back-propagated and the embedding's until the very end.)"""
     ckpt = set(checkpointed)
-    total = 0
-    recompute_peak = 0
-    for i, u in enumerate(profile.units):
-        if i in ckpt:
-            total += u.input_bytes
-            recompute_peak = max(recompute_peak, u.saved_bytes)
-        else:
-            total += u.saved_bytes
-    return (total + recompute_peak) * micro_batch // profile.batch
+    root = profile.units[0].saved_bytes if profile.units else 0
+    kept_before = 0
+    peak = 0
+    for i, u in enumerate(profile.units[1:], start=1):
+        peak = max(peak, kept_before + u.saved_bytes)
+        kept_before += u.input_bytes if i in ckpt else u.saved_bytes
+    peak = max(peak, kept_before)
+    return (root + peak) * micro_batch // profile.batch
 
 
 def _checkpointed(units: int, every: int) -> frozenset[int]:
