@@ -100,11 +100,15 @@ class Evaluated:
     wrap_policy: object = None
 
     def fsdp_kwargs(self) -> dict:
-        """Keyword arguments for `fullshard.fsdp(model, **kwargs)`."""
+        """Keyword arguments for `fullshard.fsdp(model, **kwargs)`. For '16-true' /
+        'bf16-true' convert the model to that dtype first (`model.to(torch.bfloat16)`); there
+        is no mixed precision to pass then."""
         c = self.config
+        name = resolve_precision(c.precision)
+        mixed = None if name.endswith("-true") else mixed_precision_for(name)
         out: dict = {"sharding_strategy": c.strategy, "bucketing_strategy": "BLOCK",
                      "prefetch_limit": c.prefetch_limit, "cpu_offload": c.cpu_offload,
-                     "mixed_precision": mixed_precision_for(resolve_precision(c.precision)),
+                     "mixed_precision": mixed,
                      "auto_wrap_policy": self.wrap_policy,
                      "activation_checkpointing_policy": self._checkpoint_policy()}
         if c.strategy == "HYBRID_SHARD":
