@@ -230,8 +230,6 @@ def test_predicted_faster_is_measured_faster(group):
 
 
 def _train_recommended(kwargs: dict) -> dict:
-    from fullshard.planner.recommendation import CheckpointEvery  # noqa: F401 (pickled policy)
-
     torch.manual_seed(0)
     model = fullshard.fsdp(build_demo_model(), **kwargs)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
