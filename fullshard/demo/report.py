@@ -30,6 +30,28 @@ def planner_prediction(result: DemoResult) -> tuple[int, int]:
     return row.model_state_bytes, row.working_set_bytes
 
 
+def predicted_step_seconds(result: DemoResult) -> tuple[float, str] | None:
+    """The planner's step time for this run on this machine (`--hardware local`, measured
+    now; a preset GPU on CUDA), and the hardware's name; None if it cannot be predicted."""
+    from fullshard.demo.train import build_model
+    from fullshard.planner.predict import predict
+
+    cfg = result.config
+    per_rank = -(-cfg.batch // result.world_size)  # the rank with the most rows sets the pace
+    hardware: object = "h100-sxm"
+    if not result.device.startswith("cuda"):
+        from fullshard.planner.measure import measure_local
+
+        hardware = measure_local(link=result.link)
+    try:
+        e = predict(lambda: build_model(cfg), world_size=result.world_size,
+                    strategy=cfg.strategy, precision=cfg.precision, batch=per_rank,
+                    seq=cfg.seq, bucketing=cfg.bucketing, hardware=hardware)
+    except (ValueError, TypeError, RuntimeError):  # never let it break the demo's report
+        return None
+    return e.time.step, getattr(hardware, "name", str(hardware))
+
+
 def format_report(result: DemoResult, figure: str | None) -> str:
     cfg = result.config
     steps = len(result.losses) - result.first_step
@@ -62,6 +84,10 @@ def format_report(result: DemoResult, figure: str | None) -> str:
         f"  peak unsharded working set in a step: {_mb(result.peak_unsharded_bytes)} "
         f"(predicted {_mb(working)})"
     )
+    predicted = predicted_step_seconds(result)
+    if predicted is not None:
+        lines.append(f"step time: measured {per_step * 1e3:.0f} ms, `fullshard plan` predicted "
+                     f"{predicted[0] * 1e3:.0f} ms (hardware {predicted[1]})")
     lines.append("communication per step (this rank):")
     for kind, stats in result.comm_per_step.items():
         if stats["calls"]:

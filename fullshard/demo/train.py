@@ -22,6 +22,7 @@ import torch
 import fullshard
 from fullshard.demo.data import VOCAB, decode, encode, global_batch, load_corpus, rank_rows
 from fullshard.distributed import comm
+from fullshard.planner.measure import measure_link
 from fullshard.testing.models import TinyGPT
 
 
@@ -58,6 +59,9 @@ class DemoResult:
     peak_unsharded_bytes: int
     checkpoint: str
     sample: str
+    link: dict[str, float] | None = None
+    """The ranks' loopback link and engine overhead (`planner.measure.measure_link`), for the
+    predicted step time on this machine."""
 
 
 def build_model(cfg: DemoConfig) -> TinyGPT:
@@ -152,6 +156,7 @@ def train(fabric: fullshard.Fabric, cfg: DemoConfig) -> DemoResult | None:
     fabric.save(ckpt, {"model": model, "optimizer": optimizer, "step": last, "losses": losses})
     text = sample(model, cfg, fabric.device)
     per_rank = comm.all_gather_object(state_bytes, model.fullshard_runtime.mesh.world)
+    link = measure_link() if fabric.device.type == "cpu" and world > 1 else None
     if not fabric.is_global_zero:
         return None
     return DemoResult(
@@ -167,4 +172,5 @@ def train(fabric: fullshard.Fabric, cfg: DemoConfig) -> DemoResult | None:
         peak_unsharded_bytes=peak,
         checkpoint=str(ckpt),
         sample=text,
+        link=link,
     )

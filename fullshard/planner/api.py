@@ -23,7 +23,11 @@ from fullshard.planner.estimate import (
     resolve_optimizer,
     resolve_precision_spec,
 )
+from fullshard.planner.hardware import resolve_hardware
 from fullshard.planner.model_spec import resolve_model
+from fullshard.planner.profile import ForwardProfile, profile_forward
+from fullshard.planner.search import SearchSpace, precision_specs
+from fullshard.planner.search import search as run_search
 from fullshard.planner.sizes import parse_bytes
 from fullshard.planner.structure import model_structure
 from fullshard.planner.table import STRATEGY_ORDER, PlanRow, PlanTable
@@ -46,9 +50,14 @@ def plan(
     prefetch_limit: int = 1,
     budget: int | str | None = None,
     max_pending_reductions: int = 2,
-    backend: str = "nccl",
-    ranks_per_node: int = 8,
+    backend: str | None = None,
+    ranks_per_node: int | None = None,
     attention: str = "flash",
+    global_batch: int | None = None,
+    hardware: object = "h100-sxm",
+    search: bool | None = None,
+    search_precisions: Iterable[object] | None = None,
+    search_space: SearchSpace | None = None,
 ) -> PlanTable:
     """Per-rank memory and communication of training `model_or_factory` with fullshard.
 
@@ -70,11 +79,26 @@ def plan(
         bucketing: 'NONE', 'LAYER' or 'BLOCK'. prefetch_limit, max_pending_reductions: as in
             `fsdp()`; they set the working set.
         budget: per-rank memory, bytes or a string such as '80GiB'.
-        backend: 'nccl' (GPUs; a multi-parameter gather is copied out once) or 'gloo'.
-        ranks_per_node: the shard size of HYBRID_SHARD.
+        backend: 'nccl' (GPUs; a multi-parameter gather is copied out once) or 'gloo'
+            (default: the hardware's: gloo for 'local', else nccl).
+        ranks_per_node: the shard size of HYBRID_SHARD (default: the hardware's; 8).
         attention: 'flash' (count fused attention as GPUs run it) or 'math'.
+        global_batch: sequences per optimizer step over all ranks; the search makes up
+            `global_batch / N` per rank from micro-batches and gradient accumulation.
+        hardware: for the time model: a preset ('h100-sxm', 'h200-sxm', 'a100-80gb',
+            'l40s'), 'local' (measured now), a JSON file or a `Hardware`.
+        search: search configurations for the fastest that fits (`table.search`,
+            `table.recommendation`); default: when a budget is given.
+        search_precisions: precisions the search tries (default: `precision`).
+        search_space: what the search varies (`planner.search.SearchSpace`).
     """
     sizes = _world_sizes(world_sizes)
+    if backend is None:
+        local = isinstance(hardware, str) and hardware.strip().lower() == "local"
+        backend = "gloo" if local or getattr(hardware, "backend", None) == "gloo" else "nccl"
+    search_rpn = ranks_per_node
+    if ranks_per_node is None:
+        ranks_per_node = getattr(hardware, "ranks_per_node", 8)
     plans = _strategies(strategies)
     precision_spec = resolve_precision_spec(precision)
     optim = resolve_optimizer(optimizer)
@@ -84,7 +108,7 @@ def plan(
                              ("ranks_per_node", ranks_per_node, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    if (batch is None) != (seq is None):
+    if (batch is None) != (seq is None) and global_batch is None:
         raise ValueError("Give both batch and seq for an activation estimate, or neither "
                          f"(got batch={batch!r}, seq={seq!r}).")
     for name, value in (("batch", batch), ("seq", seq)):
@@ -97,12 +121,25 @@ def plan(
     structure = model_structure(resolved.module, resolved.policy, bucketing_strategy,
                                 shard_dtype=precision_spec.shard_dtype)
     scratch = backward_scratch_bytes(structure, precision_spec)
+    search_result, profiles = None, {}
+    if search is None:
+        search = budget_bytes is not None
+    if search:
+        search_result, profiles = _search(
+            resolved, precision_spec, search_precisions, optim, hardware, budget_bytes,
+            batch, seq, global_batch, sizes, bucketing_strategy, max_pending_reductions,
+            attention, backend, search_rpn, search_space)
     activations = None
     if batch is not None and seq is not None:
         mp = precision_spec.mixed
         compute = (mp.param_dtype if mp is not None else None) or precision_spec.shard_dtype
-        activations = activation_bytes(resolved.module, batch, seq, compute_dtype=compute,
-                                       attention=attention, copy_model=not resolved.built_here)
+        profiled = profiles.get(compute)
+        if profiled is not None and profiled.seq == seq and batch == profiled.batch:
+            activations = profiled.saved_bytes  # the same meta forward, already run
+        else:
+            activations = activation_bytes(resolved.module, batch, seq, compute_dtype=compute,
+                                           attention=attention,
+                                           copy_model=not resolved.built_here)
 
     rows = []
     costs_by_shard: dict[int, list] = {}
@@ -148,7 +185,77 @@ def plan(
     best = {id(r) for r in table.recommendations().values() if r is not None}
     table.rows = [dataclasses.replace(r, recommended=True) if id(r) in best else r
                   for r in rows]
+    table.search = search_result
     return table
+
+
+def _search(resolved, precision_spec, search_precisions, optim, hardware, budget_bytes,  # type: ignore[no-untyped-def]
+            batch, seq, global_batch, sizes, bucketing_strategy, max_pending, attention,
+            backend, ranks_per_node, space):
+    """Profile the model once per compute dtype and search (`search.py`)."""
+    if global_batch is not None and (not isinstance(global_batch, int)
+                                     or isinstance(global_batch, bool) or global_batch < 1):
+        raise ValueError(f"global_batch must be an int >= 1, got {global_batch!r}")
+    hw = resolve_hardware(hardware)
+    if ranks_per_node is not None:
+        hw = dataclasses.replace(hw, ranks_per_node=ranks_per_node)
+    budget = budget_bytes if budget_bytes is not None else hw.memory
+    if seq is None:
+        seq = default_seq(resolved.module)
+    precisions = (precision_specs(search_precisions) if search_precisions is not None
+                  else [precision_spec])
+    profiles: dict[object, ForwardProfile] = {}
+    structures: dict[str, object] = {}
+
+    def structure_for(p):  # type: ignore[no-untyped-def]
+        if p.name not in structures:
+            structures[p.name] = model_structure(resolved.module, resolved.policy,
+                                                 bucketing_strategy, shard_dtype=p.shard_dtype)
+        return structures[p.name]
+
+    results = []
+    for p in precisions:
+        mp = p.mixed
+        compute = (mp.param_dtype if mp is not None else None) or p.shard_dtype
+        if compute not in profiles:
+            profiles[compute] = profile_forward(resolved.module, resolved.policy, 1, seq,
+                                                compute_dtype=compute, attention=attention)
+        results.append(run_search(
+            structure_for, profiles[compute], world_sizes=sizes, precisions=[p],
+            optimizer=optim, hardware=hw, budget=budget, seq=seq, batch=batch,
+            global_batch=global_batch, backend=backend or hw.backend,
+            max_pending_reductions=max_pending, space=space or SearchSpace(),
+            names=[u.name or "root" for u in profiles[compute].units]))
+    merged = results[0]
+    for r in results[1:]:
+        merged.ranked += r.ranked
+        merged.skipped += r.skipped
+    merged.ranked.sort(key=lambda e: (not e.fits, e.time.step if e.fits else e.memory.total,
+                                      e.memory.total))
+    classes = _unit_classes(resolved)
+    merged.ranked = [dataclasses.replace(e, unit_classes=classes, wrap_policy=resolved.policy)
+                     for e in merged.ranked]
+    return merged, profiles
+
+
+def _unit_classes(resolved) -> tuple:  # type: ignore[no-untyped-def]
+    """The block classes (the non-root units), which checkpointing applies to."""
+    from fullshard.engine.wrap import select_units
+
+    seen: dict[type, None] = {}
+    for m in select_units(resolved.module, resolved.policy)[1:]:
+        seen.setdefault(type(m), None)
+    return tuple(seen)
+
+
+def default_seq(module) -> int:  # type: ignore[no-untyped-def]
+    """A sequence length when none is given: the model's own, else 2048."""
+    cfg = getattr(module, "cfg", None)
+    for value in (getattr(cfg, "max_seq", None), getattr(cfg, "seq", None),
+                  getattr(module, "seq", None)):
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
 
 
 def _world_sizes(world_sizes: Iterable[int] | int) -> list[int]:

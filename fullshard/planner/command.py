@@ -17,13 +17,21 @@ nothing is allocated (a 70B model plans in seconds).
 
 examples:
   fullshard plan llama-7b --world-sizes 8,16,32 --precision bf16-mixed --budget 80GiB
-  fullshard plan llama-70b --batch 1 --seq 4096 --budget 80GiB --world-sizes 8,16,32,64
+  fullshard plan llama-70b --precision bf16-mixed --batch 1 --seq 4096 --budget 80GiB \
+      --world-sizes 8,16,64
+  fullshard plan llama-13b --global-batch 256 --seq 4096 --budget 80GiB --hardware a100-80gb
+  fullshard plan demo --world-sizes 2,3 --budget 1GiB --hardware local
   fullshard plan mypkg.models:build_model --wrap MyBlock --optimizer sgd-momentum
 
 All numbers are per rank. state = parameters + gradients + optimizer state (exact, padding
 included); working = unsharded parameters and gradients in flight (from the actual units,
-bucketing and prefetch); comm/step = bytes each rank sends per training step. The
-recommendation is the configuration that fits --budget and communicates least.
+bucketing and prefetch); comm/step = bytes each rank sends per training step.
+
+With --budget (or --search) the planner also searches: strategy and mesh, activation
+checkpointing (none, every 4th / 2nd block, every block), CPU offload, the precisions given,
+prefetch 1-2, and micro-batch with gradient accumulation (to --global-batch), and recommends
+the fastest configuration that fits, with its predicted step time and tokens/s per rank on
+--hardware, the exposed communication and what would hide it.
 """
 
 
@@ -42,7 +50,9 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--strategies", default=None, metavar="S,S,...",
                    help="FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD (default: all)")
     p.add_argument("--precision", default="32-true",
-                   help="32-true, bf16-mixed, 16-mixed, bf16-true, 16-true (default: 32-true)")
+                   help="32-true, bf16-mixed, 16-mixed, bf16-true, 16-true, or several "
+                   "comma-separated for the search to try (the table shows the first) "
+                   "(default: 32-true)")
     p.add_argument("--optimizer", default="adamw",
                    choices=("adamw", "adam", "sgd", "sgd-momentum"),
                    help="optimizer state to count (default: adamw)")
@@ -58,13 +68,25 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--wrap", default=None, metavar="CLASS,...",
                    help="module class names that become units, or 'root' for the whole model "
                    "as one unit (default: the config's block, else fsdp()'s default units)")
-    p.add_argument("--backend", default="nccl", choices=("nccl", "gloo"),
-                   help="collective backend (default: nccl)")
-    p.add_argument("--ranks-per-node", type=int, default=8, metavar="K",
-                   help="shard size of HYBRID_SHARD (default: 8)")
+    p.add_argument("--backend", default=None, choices=("nccl", "gloo"),
+                   help="collective backend (default: gloo with --hardware local, else nccl)")
+    p.add_argument("--ranks-per-node", type=int, default=None, metavar="K",
+                   help="shard size of HYBRID_SHARD (default: the hardware's, 8)")
     p.add_argument("--attention", default="flash", choices=("flash", "math"),
                    help="count attention activations as fused kernels save them, or the "
                    "math kernel's seq x seq matrix (default: flash)")
+    p.add_argument("--global-batch", type=int, default=None, metavar="G",
+                   help="sequences per optimizer step over all ranks: the search makes up "
+                   "G / N per rank from micro-batches and gradient accumulation")
+    p.add_argument("--hardware", default="h100-sxm", metavar="NAME|FILE|local",
+                   help="for the time model: h100-sxm, h200-sxm, a100-80gb, l40s, a JSON "
+                   "file of Hardware fields, or 'local' (measured now, a few seconds) "
+                   "(default: h100-sxm)")
+    p.add_argument("--search", dest="search", action="store_true", default=None,
+                   help="search configurations for the fastest that fits (default: with "
+                   "--budget)")
+    p.add_argument("--no-search", dest="search", action="store_false",
+                   help="only the per-strategy table")
     p.add_argument("--json", action="store_true", help="print the table as JSON")
     p.set_defaults(handler=_handler(p))
 
@@ -84,11 +106,16 @@ def _handler(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace, object
         except ValueError:
             p.error(f"--world-sizes must be comma-separated integers, got {args.world_sizes!r}")
         try:
+            precisions = _split(args.precision) or ["32-true"]
             table = plan(
                 args.model,
                 world_sizes=sizes,
                 strategies=_split(args.strategies),
-                precision=args.precision,
+                precision=precisions[0],
+                search_precisions=precisions,
+                global_batch=args.global_batch,
+                hardware=args.hardware,
+                search=args.search,
                 optimizer=args.optimizer,
                 batch=args.batch,
                 seq=args.seq,

@@ -11,6 +11,8 @@ Built-in configs (`BUILTIN_CONFIGS`), each wrapped per transformer block:
 | `llama-7b`  | Llama: 32 x 4096, SwiGLU 11008, vocab 32000   | 6.74 B       |
 | `llama-13b` | Llama: 40 x 5120, SwiGLU 13824, vocab 32000   | 13.0 B       |
 | `llama-70b` | Llama: 80 x 8192, GQA 8 kv heads, SwiGLU 28672| 69.0 B       |
+| `llama3-8b` | Llama 3: 32 x 4096, GQA 8, SwiGLU 14336, V 128256 | 8.03 B   |
+| `llama3-70b`| Llama 3: 80 x 8192, GQA 8, SwiGLU 28672, V 128256 | 70.6 B   |
 
 A wrap policy may also be given as class names (`["LlamaBlock"]`, the CLI's `--wrap`).
 Factories are called under `torch.device("meta")`, so nothing is allocated however large the
@@ -77,6 +79,15 @@ BUILTIN_CONFIGS: dict[str, ModelConfig] = {
         ModelConfig("llama-70b", "Llama 80 x 8192, GQA (8 kv heads), SwiGLU 28672, vocab 32000",
                     lambda: Llama(LlamaConfig(dim=8192, layers=80, heads=64, kv_heads=8,
                                               ffn=28672)), ("LlamaBlock",)),
+        ModelConfig("llama3-8b", "Llama 3 32 x 4096, GQA (8 kv heads), SwiGLU 14336, vocab "
+                    "128256", lambda: Llama(LlamaConfig(vocab=128256, kv_heads=8, ffn=14336,
+                                                        max_seq=8192, rope_theta=500000.0)),
+                    ("LlamaBlock",)),
+        ModelConfig("llama3-70b", "Llama 3 80 x 8192, GQA (8 kv heads), SwiGLU 28672, vocab "
+                    "128256", lambda: Llama(LlamaConfig(vocab=128256, dim=8192, layers=80,
+                                                        heads=64, kv_heads=8, ffn=28672,
+                                                        max_seq=8192, rope_theta=500000.0)),
+                    ("LlamaBlock",)),
     )
 }
 

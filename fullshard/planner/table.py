@@ -17,8 +17,13 @@ that fits and sends the fewest bytes per step, ties going to the smaller total m
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from fullshard.planner.sizes import format_bytes, format_count
+
+if TYPE_CHECKING:
+    from fullshard.planner.recommendation import Evaluated
+    from fullshard.planner.search import SearchResult
 
 STRATEGY_ORDER = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 
@@ -78,6 +83,14 @@ class PlanTable:
     seq: int | None
     budget: int | None
     rows: list[PlanRow]
+    search: SearchResult | None = None
+    """The configuration search (`search.py`), when one ran."""
+
+    @property
+    def recommendation(self) -> Evaluated | None:
+        """The fastest searched configuration that fits; `.fsdp_kwargs()` /
+        `.strategy_kwargs()` pass it to `fsdp()` / `FSDPStrategy()`."""
+        return None if self.search is None else self.search.best
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         return iter(self.rows)
@@ -137,6 +150,7 @@ class PlanTable:
             "rows": [r.to_dict() for r in self.rows],
             "recommended": None if best is None else
             {"world_size": best.world_size, "strategy": best.strategy},
+            "search": None if self.search is None else self.search.to_dict(),
         }
 
     # -- text -------------------------------------------------------------------------------
@@ -183,6 +197,13 @@ class PlanTable:
             lines.append(fmt(cells))
         lines.append("")
         lines += self._footer()
+        if self.search is not None:
+            from fullshard.planner.search import variants
+            from fullshard.planner.search_report import render_search
+
+            best = self.search.best
+            alternatives = variants(self.search, best) if best is not None else {}
+            lines += ["", render_search(self.search, alternatives=alternatives)]
         return "\n".join(lines)
 
     def _footer(self) -> list[str]:

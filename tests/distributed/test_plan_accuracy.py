@@ -11,6 +11,11 @@ padding) and trained for three AdamW steps. On every rank we measure
   must match within 10% (it replays the engine's schedule, and matches exactly today);
 - `comm_stats()` wire bytes per step, which must equal the planner's communication exactly.
 
+Then the time model against this machine (`--hardware local`, measured on the same ranks): of
+two configurations predicted >= 1.3x apart, the one predicted faster must be measured faster;
+and the recommended configuration's options pass straight to `fsdp()`, holding the predicted
+state.
+
 One rank group per world size for the whole module.
 """
 
@@ -30,8 +35,9 @@ from fullshard.planner.model_spec import build_demo_model, resolve_model
 from fullshard.planner.structure import model_structure
 from fullshard.testing import DistributedGroup
 
-CASES = [  # strategy, precision, layers
+CASES = [  # strategy, precision, layers[, activation checkpointing of every block]
     ("FULL_SHARD", "32-true", 4),
+    ("FULL_SHARD", "32-true", 4, True),
     ("SHARD_GRAD_OP", "32-true", 4),
     ("FULL_SHARD", "32-true", 8),
     ("SHARD_GRAD_OP", "32-true", 8),
@@ -54,7 +60,7 @@ def _storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def _train_and_measure(strategy: str, precision: str, layers: int) -> dict:
+def _train_and_measure(strategy: str, precision: str, layers: int, ckpt: bool = False) -> dict:
     """On each rank: three AdamW steps; unsharded peaks and comm per step, state after."""
     from fullshard.testing.models import Block
 
@@ -67,6 +73,7 @@ def _train_and_measure(strategy: str, precision: str, layers: int) -> dict:
         auto_wrap_policy={Block},
         mixed_precision=mixed_precision_for(precision),
         prefetch_limit=1,
+        activation_checkpointing_policy={Block} if ckpt else None,
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1)
@@ -93,10 +100,11 @@ def _train_and_measure(strategy: str, precision: str, layers: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("strategy,precision,layers", CASES)
-def test_planner_matches_the_engine(group, strategy, precision, layers):
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_planner_matches_the_engine(group, case):
+    strategy, precision, layers, *ckpt = case
     n = group.world_size
-    measured = group.run(_train_and_measure, strategy, precision, layers)
+    measured = group.run(_train_and_measure, strategy, precision, layers, *ckpt)
     table = fullshard.plan(
         lambda: build_demo_model(layers=layers),
         world_sizes=(n,),
@@ -149,3 +157,96 @@ def test_zero3_working_set_below_zero2_when_deep():
                           strategies=("FULL_SHARD", "SHARD_GRAD_OP"))
     assert (deep.row(2, "FULL_SHARD").working_set_bytes
             < deep.row(2, "SHARD_GRAD_OP").working_set_bytes)
+
+
+# -- the time model against this machine ----------------------------------------------------------
+TIMED = [  # strategy, layers, per-rank batch, checkpoint every block
+    ("FULL_SHARD", 4, 8, False),
+    ("FULL_SHARD", 4, 2, False),
+    ("FULL_SHARD", 4, 8, True),
+    ("SHARD_GRAD_OP", 2, 8, False),
+]
+
+
+def _time_configs(configs, steps: int = 3) -> dict:
+    """On each rank: this machine's measured hardware numbers, then each configuration's
+    median step time (after one warm-up step)."""
+    import time
+
+    from fullshard.planner.measure import measure_compute, measure_link
+    from fullshard.testing.models import Block
+
+    out = {"link": measure_link(), "compute": measure_compute(), "steps": []}
+    for strategy, layers, batch, ckpt in configs:
+        torch.manual_seed(0)
+        model = fullshard.fsdp(build_demo_model(layers=layers), sharding_strategy=strategy,
+                               bucketing_strategy="BLOCK", auto_wrap_policy={Block},
+                               activation_checkpointing_policy={Block} if ckpt else None)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(1)
+        times = []
+        for _ in range(steps + 1):
+            x, y = model.make_batch(batch, gen)
+            t0 = time.perf_counter()
+            model.loss(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            times.append(time.perf_counter() - t0)
+        out["steps"].append(sorted(times[1:])[len(times[1:]) // 2])
+    return out
+
+
+def test_predicted_faster_is_measured_faster(group):
+    """Issue 23's loose bound for `make test`: with `--hardware local` (measured on these
+    ranks), of two configurations the planner predicts >= 1.3x apart, the one predicted
+    faster is measured faster; and no prediction is off by more than 4x."""
+    from fullshard.planner.measure import measure_local
+    from fullshard.planner.predict import predict
+
+    n = group.world_size
+    if n != 2:
+        pytest.skip("timed on 2 ranks only, for the suite's time; benchmarks/plan_accuracy.py "
+                    "records 2 and 3 ranks")
+    runs = group.run(_time_configs, TIMED)
+    link = {k: max(r["link"][k] for r in runs) for k in ("latency", "unit_overhead")}
+    link["bandwidth"] = min(r["link"]["bandwidth"] for r in runs)
+    compute = {k: min(r["compute"][k] for r in runs) for k in ("flops", "mem_bandwidth")}
+    compute["op_overhead"] = max(r["compute"]["op_overhead"] for r in runs)
+    hw = measure_local(link=link, compute=compute)
+    measured = [max(r["steps"][i] for r in runs) for i in range(len(TIMED))]
+    predicted = [
+        predict(lambda layers=layers: build_demo_model(layers=layers), world_size=n,
+                strategy=strategy, batch=batch, seq=64, hardware=hw,
+                checkpoint_every=1 if ckpt else 0).time.step
+        for strategy, layers, batch, ckpt in TIMED
+    ]
+    report = [f"{c}: predicted {p * 1e3:.0f} ms, measured {m * 1e3:.0f} ms"
+              for c, p, m in zip(TIMED, predicted, measured)]
+    for i in range(len(TIMED)):
+        assert 0.25 < measured[i] / predicted[i] < 4, report
+        for j in range(len(TIMED)):
+            if predicted[j] >= 1.3 * predicted[i]:
+                assert measured[j] > measured[i], report
+
+
+def _train_recommended(kwargs: dict) -> dict:
+    torch.manual_seed(0)
+    model = fullshard.fsdp(build_demo_model(), **kwargs)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = model.make_batch(4, torch.Generator().manual_seed(1))
+    model.loss(x, y).backward()
+    opt.step()
+    params = list(model.parameters())
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return {"state": _storage_bytes(params) + _storage_bytes(p.grad for p in params)
+            + _storage_bytes(state)}
+
+
+def test_recommendation_passes_straight_to_fsdp(group):
+    n = group.world_size
+    table = fullshard.plan("demo", world_sizes=(n,), budget="1GiB", seq=64, global_batch=4 * n,
+                           hardware="l40s", backend="gloo")
+    best = table.recommendation
+    assert best is not None and best.fits and not best.config.cpu_offload
+    measured = group.run(_train_recommended, best.fsdp_kwargs())
+    assert measured[0]["state"] == best.memory.state  # rank 0 holds the most

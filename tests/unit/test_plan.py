@@ -4,6 +4,7 @@ the command line, and clear errors for bad input."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -135,8 +136,8 @@ def test_working_set_zero3_holds_root_and_two_blocks(llama7b):
 # -- budget and recommendation ------------------------------------------------------------------
 def test_budget_marks_fits_and_recommends_the_cheapest_that_fits():
     table = fullshard.plan("llama-7b", world_sizes=(8, 16), precision="bf16-mixed",
-                           budget="80GiB")
-    assert table.budget == 80 * 2**30
+                           budget="80GiB", search=False)
+    assert table.budget == 80 * 2**30 and table.search is None
     for r in table.rows:
         if r.applicable:
             assert r.fits == (r.total_bytes <= 80 * 2**30)
@@ -149,10 +150,10 @@ def test_budget_marks_fits_and_recommends_the_cheapest_that_fits():
     # A budget only ZeRO-3 meets.
     z3 = table.row(8, "FULL_SHARD")
     tight = fullshard.plan("llama-7b", world_sizes=(8,), precision="bf16-mixed",
-                           budget=z3.total_bytes)
+                           budget=z3.total_bytes, search=False)
     assert tight.recommend(8).strategy in ("FULL_SHARD", "HYBRID_SHARD")
     assert tight.recommend(8).strategy == "FULL_SHARD"  # equal numbers: the first listed
-    nothing = fullshard.plan("llama-7b", world_sizes=(8,), budget="1GiB")
+    nothing = fullshard.plan("llama-7b", world_sizes=(8,), budget="1GiB", search=False)
     assert nothing.recommend() is None and all(r.fits is False for r in nothing if r.applicable)
     assert "nothing fits" in nothing.render()
 
@@ -238,13 +239,36 @@ def test_factory_path_callable_and_module_instance():
     assert by_name.units == "root + 3 x _Layer"
 
 
-def test_llama_70b_plans_in_seconds():
-    t0 = time.perf_counter()
-    table = fullshard.plan("llama-70b", world_sizes=(8, 64), precision="bf16-mixed",
+@pytest.fixture(scope="module")
+def llama70b():
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    table = fullshard.plan("llama-70b", world_sizes=(8, 16, 64), precision="bf16-mixed",
                            batch=1, seq=4096, budget="80GiB")
-    assert time.perf_counter() - t0 < 20
+    return table, time.process_time() - cpu0, time.perf_counter() - t0
+
+
+def test_llama_70b_plans_in_seconds(llama70b):
+    table, cpu, wall = llama70b
+    # Issue 23: under 10 s of this process's time (the wall clock also counts the load
+    # of a shared machine, hence the looser bound on it).
+    assert cpu < 10 and wall < 30
     assert 68e9 < table.num_params < 70e9
     assert table.row(8, "NO_SHARD").fits is False
+    # Without checkpointing nothing fits (activations alone are 146 GiB per rank) ...
+    assert all(r.fits is False for r in table.rows)
+    assert table.rows[0].activation_bytes > 140 * 2**30
+    # ... the search finds what practitioners run: 64 ranks, every block checkpointed.
+    best = table.search.best_at(64)
+    assert best is not None and best.fits and best.config.checkpoint_every == 1
+    assert best.memory.total <= 80 * 2**30 and best.config.strategy == "FULL_SHARD"
+    assert best.memory.activations < 10 * 2**30
+    assert table.recommendation is table.search.best
+    losers = [e for e in table.search.ranked if e.config.world_size == 64
+              and e.config.checkpoint_every == 0]
+    assert losers and all(not e.fits for e in losers)
+    assert "activations" in table.search.why_not(losers[0])
+    text = table.render()
+    assert "Recommended:" in text and "AC all" in text and "tokens/s per rank" in text
 
 
 # -- bytes ----------------------------------------------------------------------------------------
@@ -337,3 +361,151 @@ def test_cli_bad_inputs_exit_with_a_message(argv, message, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "fullshard plan: error:" in err and message in err
+
+
+# -- the search, the time model, hardware --------------------------------------------------------
+def test_checkpointing_keeps_only_block_inputs():
+    from fullshard.planner.model_spec import resolve_model
+    from fullshard.planner.profile import profile_forward
+    from fullshard.planner.search import _checkpointed, activation_bytes_with
+
+    resolved = resolve_model("demo")
+    prof = profile_forward(resolved.module, resolved.policy, 2, 64)
+    # The same meta forward as the plain activation estimate, broken down per unit.
+    assert prof.saved_bytes == fullshard.plan("demo", world_sizes=(2,), batch=2,
+                                              seq=64).rows[0].activation_bytes
+    blocks = prof.units[1:]
+    assert len(blocks) == 4 and all(u.input_bytes == 2 * 64 * 128 * 4 for u in blocks)
+    assert all(u.flops > 0 and u.ops > 0 for u in prof.units)
+    every = _checkpointed(len(prof.units), 1)
+    assert every == {1, 2, 3, 4} and _checkpointed(5, 2) == {1, 3}
+    full = activation_bytes_with(prof, (), 2)
+    assert full == prof.saved_bytes
+    ckpt = activation_bytes_with(prof, every, 2)
+    # The peak is the last block's recomputation: the root's, three blocks' inputs, and the
+    # last block's full activations (the blocks are alike).
+    assert ckpt == (prof.units[0].saved_bytes + sum(u.input_bytes for u in blocks[:3])
+                    + blocks[3].saved_bytes)
+    assert ckpt < activation_bytes_with(prof, _checkpointed(5, 2), 2) < full
+    assert activation_bytes_with(prof, every, 4) == 2 * ckpt  # linear in the micro-batch
+
+
+def test_checkpoint_every_policy_picks_what_the_search_priced():
+    from fullshard.engine.checkpointing import _checkpointed_modules
+    from fullshard.planner.recommendation import CheckpointEvery
+    from fullshard.testing.models import Block
+
+    model = fullshard.planner.build_demo_model(layers=5)
+    numel = {id(p): p.numel() for p in model.parameters()}
+    chosen = _checkpointed_modules(model, CheckpointEvery((Block,), 2), numel)
+    assert chosen == [model.blocks[0], model.blocks[2], model.blocks[4]]
+    assert _checkpointed_modules(model, CheckpointEvery((Block,), 1), numel) == list(
+        model.blocks)
+    with pytest.raises(ValueError, match=r"every=\) must be an int >= 1, got 0"):
+        CheckpointEvery((Block,), 0)
+
+
+def test_search_accumulates_to_the_global_batch_and_ranks_by_time():
+    table = fullshard.plan("llama-7b", world_sizes=(8, 16), precision="bf16-mixed", seq=4096,
+                           global_batch=64, budget="80GiB", hardware="a100-80gb")
+    result = table.search
+    fitting = result.fitting
+    assert fitting and all(e.memory.total <= 80 * 2**30 for e in fitting)
+    steps = [e.time.step for e in fitting]
+    assert steps == sorted(steps)
+    for e in result.ranked:
+        c = e.config
+        assert c.micro_batch * c.accumulation * c.world_size == 64
+        assert e.time.tokens_per_step == c.micro_batch * c.accumulation * 4096
+    # Accumulating under no_sync holds the unsharded gradients: more memory, less traffic.
+    pairs = {}
+    for e in result.ranked:
+        if e.config.accumulation > 1:
+            pairs.setdefault(dataclasses.replace(e.config, no_sync=True), {})[
+                e.config.no_sync] = e
+    pair = next(p for p in pairs.values() if len(p) == 2)
+    assert pair[True].memory.accumulation > 0 == pair[False].memory.accumulation
+    assert pair[True].time.comm < pair[False].time.comm
+    d = json.loads(json.dumps(table.to_dict()))
+    assert d["search"]["best"]["fits"] and d["search"]["hardware"]["name"] == "a100-80gb"
+
+
+def test_time_model_schedule():
+    from fullshard.planner.timing import UnitTimes, simulate_step
+
+    # A root and 4 blocks; a gather takes 3, a block's forward 2 / backward 4.
+    times = [UnitTimes(1.0, 2.0, 0.0, 3.0, 1.0)] + [UnitTimes(2.0, 4.0, 0.0, 3.0, 3.0)] * 4
+    z3 = simulate_step(times, zero3=True, prefetch=1)
+    z2 = simulate_step(times, zero3=False, prefetch=1)
+    # Compute: 1 + 8 forward, 2 + 16 backward; each unit is gathered once in forward, and
+    # ZeRO-3's blocks (not the root) again in backward.
+    assert z3.compute == z2.compute == 27
+    assert z3.comm == 15 + 12 + 13 and z2.comm == 15 + 13
+    assert z3.first_gather == 3 and z3.last_reduce == 1
+    assert z3.step > z2.step > z2.compute  # ZeRO-3 gathers again: more exposed
+    deeper = simulate_step(times, zero3=True, prefetch=3)
+    assert deeper.exposed <= z3.exposed
+    regather = simulate_step(times, zero3=True, prefetch=1, root_regathered=True)
+    assert regather.comm == z3.comm + 3
+    free = [UnitTimes(t.forward, t.backward, 0.0, 0.0, 0.0) for t in times]
+    alone = simulate_step(free, zero3=True)
+    assert alone.step == alone.compute == 27 and alone.exposed == 0
+    # Four micro-batches under no_sync reduce once; without it, every time.
+    acc = simulate_step(times, zero3=True, micro_batches=4, no_sync=True)
+    every = simulate_step(times, zero3=True, micro_batches=4, no_sync=False)
+    assert every.comm - acc.comm == 3 * (1 + 4 * 3)
+
+
+def test_hardware_presets_files_and_errors(tmp_path):
+    from fullshard.planner.hardware import PRESETS, Hardware, resolve_hardware
+
+    h100 = resolve_hardware("H100-SXM")
+    assert h100.peak_flops == 989e12 and h100.intra_bw == 450e9 and h100.inter_bw == 50e9
+    assert {"h100-sxm", "h200-sxm", "a100-80gb", "l40s"} <= set(PRESETS)
+    # A ring over whole nodes runs one ring per NIC; HYBRID's replicate axis has one NIC.
+    assert h100.link(64, True) == (400e9, h100.inter_latency)
+    assert h100.link(8, True, one_per_node=True)[0] == 50e9
+    f = tmp_path / "hw.json"
+    f.write_text(json.dumps({"base": "a100-80gb", "inter_bw": 12.5e9}))
+    custom = resolve_hardware(str(f))
+    assert custom.inter_bw == 12.5e9 and custom.peak_flops == 312e12
+    full = dataclasses.asdict(PRESETS["l40s"])
+    f.write_text(json.dumps(full))
+    assert resolve_hardware(str(f)) == PRESETS["l40s"]
+    for data, match in (({"base": "tpu"}, "base 'tpu' is not a preset"),
+                        ({"name": "x"}, "missing field"),
+                        ({"base": "l40s", "speed": 1}, r"unknown field\(s\) \['speed'\]")):
+        f.write_text(json.dumps(data))
+        with pytest.raises(ValueError, match=match):
+            resolve_hardware(str(f))
+    with pytest.raises(ValueError, match="Unknown hardware 'b200'"):
+        resolve_hardware("b200")
+    with pytest.raises(ValueError, match="overlap must be in"):
+        Hardware("x", 1, 1, 1, 1, 1, 1, 1, 1, 1, overlap=2.0)
+    with pytest.raises(ValueError, match="global_batch must be an int >= 1"):
+        fullshard.plan("tiny", world_sizes=(2,), budget="1GiB", seq=8, global_batch=0)
+
+
+def test_recommendation_kwargs_build_fsdp_and_strategy(llama70b):
+    from fullshard.planner.recommendation import CheckpointEvery
+
+    table = llama70b[0]
+    kw = table.recommendation.fsdp_kwargs()
+    assert kw["sharding_strategy"] == "FULL_SHARD" and kw["bucketing_strategy"] == "BLOCK"
+    assert kw["mixed_precision"].param_dtype == torch.bfloat16
+    assert {c.__name__ for c in kw["activation_checkpointing_policy"]} == {"LlamaBlock"}
+    fullshard.FSDPStrategy(**table.recommendation.strategy_kwargs())  # accepted as it is
+    half = next(e for e in table.search.ranked if e.config.checkpoint_every == 2)
+    assert isinstance(dataclasses.replace(half, unit_classes=(nn.Linear,))
+                      .fsdp_kwargs()["activation_checkpointing_policy"], CheckpointEvery)
+
+
+def test_cli_search(capsys):
+    argv = ["plan", "demo", "--world-sizes", "2,4", "--budget", "64MiB", "--seq", "64",
+            "--global-batch", "16", "--hardware", "l40s", "--precision", "32-true,bf16-mixed"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "search:" in out and "Recommended:" in out and "tok/s/rank" in out
+    assert "bf16-mixed" in out.split("search:")[1]
+    assert main(["plan", "demo", "--budget", "64MiB", "--no-search"]) == 0
+    assert "search:" not in capsys.readouterr().out

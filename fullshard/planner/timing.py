@@ -1,0 +1,282 @@
+"""The time model: step time, tokens/s and exposed communication of one configuration.
+
+Compute, per unit and pass, from the forward profile (`profile.py`, scaled to the micro-batch):
+
+    forward   flops / (peak * matmul_efficiency) + moved / (mem_bandwidth * mem_efficiency)
+              + ops * op_overhead + unit_overhead
+    backward  twice the forward's flops and moved bytes and ops (the usual 2x: one matmul for
+              the input's gradient, one for the weight's), + unit_overhead
+    recompute one more forward in backward for a checkpointed unit
+
+Communication, per bucket and collective, an alpha-beta model of a ring over `n` ranks:
+
+    all-gather / reduce-scatter   (n - 1) * alpha + B * (n - 1) / n / bw
+    all-reduce                    2 * (n - 1) * alpha + 2 * B * (n - 1) / n / bw
+
+`B` the unsharded bytes (`n * L * dtype size`, `L` the padded shard), `bw`/`alpha` those of the
+slowest hop: NVLink when the ring stays in a node, the network when it spans nodes. HYBRID's
+reduce-scatter runs on the shard axis (inside a node) and its all-reduce of the shard on the
+replicate axis (across nodes). Gloo (the CPU backend) sends each peer its piece point to point
+and its reduce-scatter is an all-reduce plus a chunk, so its reduce-scatter moves twice the
+bytes; that is what `comm_stats()` counts, and what is timed here.
+
+Schedule: a replay of `engine/hooks.py` on two timelines, compute and one FIFO communication
+queue. Forward: the root's pre-hook issues its gather and prefetches the next `prefetch` units;
+each unit's pre-hook tops the window up and waits for its own gather. Backward (ZeRO-3): the
+root stays gathered from its forward (the default `reshard_after_forward=None`; a root that
+reshards is gathered again first), each block is gathered again with the same prefetch window;
+a unit's reduce-scatter (and HYBRID all-reduce) is queued when its backward is done, and with
+more than `max_pending_reductions` in flight compute waits for the oldest. The root's gradients
+complete last (the embedding is the first op of forward), so its reduction is exposed. Then the
+optimizer step streams the shards, gradients and state through memory.
+
+Compute waits are the *exposed* communication. On CPUs the hidden part still costs
+`(1 - overlap)` of its time (gloo's threads take cores from compute). Gradient accumulation over
+`M` micro-batches either reduces every micro-batch or, under `no_sync`, only the last one (the
+earlier ones gather but do not reduce).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fullshard.planner.estimate import PrecisionSpec, _size
+from fullshard.planner.hardware import Hardware
+from fullshard.planner.profile import ForwardProfile
+from fullshard.planner.structure import ModelStructure
+
+OPTIMIZER_KERNELS_PER_TENSOR = 12
+"""Kernels torch's single-tensor AdamW runs per parameter (step count, two moment updates,
+bias corrections, sqrt, division, weight decay, the update)."""
+
+
+
+@dataclass(frozen=True)
+class UnitTimes:
+    forward: float
+    backward: float
+    recompute: float
+    gather: float
+    """One all-gather of the unit (0 when nothing is sharded)."""
+    reduce: float
+    """Its gradient reduction: reduce-scatter, HYBRID/NO_SHARD all-reduce, offload copy."""
+
+
+@dataclass(frozen=True)
+class StepTime:
+    step: float
+    """Seconds per optimizer step (all micro-batches)."""
+    compute: float
+    comm: float
+    """Communication time per step, hidden or not."""
+    exposed: float
+    """Communication compute waited for (plus the CPU cost of the hidden part)."""
+    optimizer: float
+    tokens_per_step: int
+    first_gather: float = 0.0
+    last_reduce: float = 0.0
+    starved_units: list[str] = field(default_factory=list)
+    """Units whose gather takes longer than the compute it hides behind."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step if self.step > 0 else float("inf")
+
+    def to_dict(self) -> dict:
+        return {"step_s": self.step, "compute_s": self.compute, "comm_s": self.comm,
+                "exposed_comm_s": self.exposed, "optimizer_s": self.optimizer,
+                "tokens_per_s": self.tokens_per_s, "first_gather_s": self.first_gather,
+                "last_reduce_s": self.last_reduce, "starved_units": list(self.starved_units)}
+
+
+def _ring(nbytes: float, n: int, bw: float, alpha: float, *, all_reduce: bool = False) -> float:
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    k = 2 if all_reduce else 1
+    return k * ((n - 1) * alpha + nbytes * (n - 1) / n / bw)
+
+
+def unit_times(
+    structure: ModelStructure,
+    profile: ForwardProfile,
+    micro_batch: int,
+    mesh: tuple[int, int],
+    precision: PrecisionSpec,
+    hardware: Hardware,
+    *,
+    checkpointed: frozenset[int] = frozenset(),
+    backend: str = "nccl",
+    cpu_offload: bool = False,
+) -> list[UnitTimes]:
+    """Per-unit compute and collective times (module docstring). `checkpointed`: unit indices
+    whose activations are recomputed."""
+    replicate, shard = mesh
+    per_node = hardware.ranks_per_node
+    world = replicate * shard
+    # The shard axis is the inner one: contiguous ranks, inside a node while shard <= per_node.
+    shard_bw, shard_alpha = hardware.link(shard, spans_nodes=shard > per_node)
+    rep_bw, rep_alpha = hardware.link(replicate, spans_nodes=world > per_node,
+                                      one_per_node=shard >= per_node)
+    scale = micro_batch / profile.batch
+    out = []
+    for i, (unit, prof) in enumerate(zip(structure.units, profile.units)):
+        compute_dtype = torch.float32
+        for b in unit.buckets:
+            compute_dtype = precision.dtypes(b)[1]
+            break
+        rate = hardware.flops_rate(compute_dtype)
+        mem = hardware.mem_bandwidth * hardware.mem_efficiency
+        work = prof.flops * scale / rate + prof.moved_bytes * scale / mem
+        fwd = work + prof.ops * hardware.op_overhead + hardware.unit_overhead
+        bwd = 2 * work + 2 * prof.ops * hardware.op_overhead + hardware.unit_overhead
+        gather = reduce = 0.0
+        for b in unit.buckets:
+            master, compute, red = precision.dtypes(b)
+            flat = b.padded_shard_numel(shard)
+            if cpu_offload:  # the shard comes from the host for each gather
+                gather += flat * _size(master) / hardware.host_bw
+            if shard > 1:
+                gather += _ring(shard * flat * _size(compute), shard, shard_bw, shard_alpha)
+            if not b.requires_grad:
+                continue
+            if shard > 1:
+                rs = _ring(shard * flat * _size(red), shard, shard_bw, shard_alpha)
+                reduce += 2 * rs if backend == "gloo" else rs
+            if replicate > 1:
+                reduce += _ring(flat * _size(red), replicate, rep_bw, rep_alpha, all_reduce=True)
+            if cpu_offload:
+                reduce += flat * _size(master) / hardware.host_bw
+        out.append(UnitTimes(fwd, bwd, fwd if i in checkpointed else 0.0, gather, reduce))
+    return out
+
+
+def optimizer_seconds(structure: ModelStructure, shard: int, precision: PrecisionSpec,
+                      hardware: Hardware, *, states: int, cpu_offload: bool) -> float:
+    """The optimizer step streams each local element's parameter, gradient and state, and
+    launches kernels per tensor: torch's single-tensor Adam(W) (its default off the GPU)
+    about `OPTIMIZER_KERNELS_PER_TENSOR` per parameter; on GPUs the foreach path groups the
+    tensors (counted as one kernel per tensor)."""
+    nbytes = 0
+    for unit in structure.units:
+        for b in unit.buckets:
+            if b.requires_grad:
+                nbytes += b.padded_shard_numel(shard) * _size(precision.dtypes(b)[0])
+    per_element = 3 + 2 * states if states else 3
+    bw = hardware.host_mem_bandwidth if cpu_offload else hardware.mem_bandwidth
+    per_tensor = OPTIMIZER_KERNELS_PER_TENSOR if hardware.backend == "gloo" or cpu_offload else 1
+    launches = structure.trainable_tensors * per_tensor * hardware.op_overhead
+    return nbytes * per_element / bw + launches
+
+
+class _Queue:
+    """One FIFO communication queue: a collective starts when issued and the previous is done."""
+
+    def __init__(self) -> None:
+        self.free = 0.0
+        self.busy = 0.0
+
+    def issue(self, at: float, duration: float) -> float:
+        start = max(self.free, at)
+        self.free = start + duration
+        self.busy += duration
+        return self.free
+
+
+def simulate_step(
+    times: list[UnitTimes],
+    *,
+    zero3: bool,
+    root_regathered: bool = False,
+    prefetch: int = 1,
+    max_pending_reductions: int = 2,
+    micro_batches: int = 1,
+    no_sync: bool = True,
+    optimizer: float = 0.0,
+    overlap: float = 1.0,
+    tokens_per_micro_batch: int = 0,
+    names: list[str] | None = None,
+) -> StepTime:
+    """Replay one optimizer step (module docstring) and return its timing."""
+    q = _Queue()
+    t = 0.0
+    compute = 0.0
+    waited = 0.0
+    first_gather = times[0].gather if times else 0.0
+    starved: set[int] = set()
+    last_reduce = 0.0
+    n = len(times)
+    blocks = list(range(1, n))
+    gathered_until: dict[int, float] = {}  # unit -> when its gather completes (or completed)
+
+    def issue(j: int, at: float) -> None:
+        if j not in gathered_until:
+            gathered_until[j] = q.issue(at, times[j].gather)
+
+    def wait(j: int) -> None:
+        nonlocal t, waited
+        if gathered_until[j] > t:
+            waited += gathered_until[j] - t
+            if j != 0:
+                starved.add(j)
+            t = gathered_until[j]
+
+    for m in range(micro_batches):
+        reduce_now = m == micro_batches - 1 or not no_sync
+        gathered_until.clear()  # every unit is sharded between micro-batches
+
+        # -- forward: root, blocks in order, the root's head last -----------------------------
+        order = [0, *blocks]
+        for k, i in enumerate(order):
+            issue(i, t)
+            for j in order[k + 1 : k + 1 + prefetch]:
+                issue(j, t)
+            wait(i)
+            if i != 0:
+                t += times[i].forward
+                compute += times[i].forward
+                if zero3:
+                    del gathered_until[i]
+        t += times[0].forward
+        compute += times[0].forward
+        # -- backward: root's head, blocks reversed, root's embedding -------------------------
+        pending: list[float] = []
+        if zero3 and root_regathered:
+            gathered_until.pop(0, None)
+        border = [0, *reversed(blocks)]
+        for k, i in enumerate(border):
+            # ZeRO-2 / NO_SHARD / the kept root: still gathered, nothing is issued.
+            issue(i, t)
+            for j in border[k + 1 : k + 1 + prefetch]:
+                issue(j, t)
+            wait(i)
+            if i == 0:
+                continue  # the root's backward finishes last, below
+            work = times[i].backward + times[i].recompute
+            t += work
+            compute += work
+            if reduce_now:
+                while len(pending) >= max_pending_reductions + 1:
+                    oldest = pending.pop(0)
+                    if oldest > t:
+                        waited += oldest - t
+                        t = oldest
+                pending.append(q.issue(t, times[i].reduce))
+        work = times[0].backward + times[0].recompute
+        t += work
+        compute += work
+        if reduce_now:
+            last_reduce = times[0].reduce
+            end = q.issue(t, times[0].reduce)
+            if end > t:
+                waited += end - t
+                t = end
+        t = max(t, q.free)
+    hidden = max(0.0, q.busy - waited)
+    exposed = waited + (1.0 - overlap) * hidden
+    step = t + (1.0 - overlap) * hidden + optimizer
+    labels = names or [str(i) for i in range(n)]
+    return StepTime(step, compute, q.busy, exposed, optimizer,
+                    tokens_per_micro_batch * micro_batches, first_gather, last_reduce,
+                    [labels[i] for i in sorted(starved)])
