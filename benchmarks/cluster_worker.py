@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import gc
 import json
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -80,6 +82,7 @@ def link_counters() -> dict[str, int] | None:
 
 def main() -> None:
     args = parse_args()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` dumps the stacks
     impl = CLUSTER_IMPLS[args.impl]
     torch.set_num_threads(impl.threads)
     distributed = impl.family != "single"
