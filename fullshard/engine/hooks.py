@@ -413,8 +413,10 @@ class Runtime:
         if not isinstance(saved, _SavedParamView):
             return saved
         unit = saved.unit
+        # Every unpack, not only a gathering one: the root stays gathered into backward, and
+        # the outer task's callback must be queued before a reentrant recomputation nests one.
+        self._ensure_backward_callback()
         if not unit.is_gathered:
-            self._ensure_backward_callback()
             self.backward_order.append(unit)
             pos = self._backward_plan.get(unit, len(self._backward_plan_list))
             self._gather_ahead(unit, self._backward_plan_list, pos, self.backward_prefetch_limit)
