@@ -71,6 +71,14 @@ def _is_timeout(error: BaseException) -> bool:
     return "timeout" in text or "timed out" in text
 
 
+class _HeartbeatThread(threading.Thread):
+    """A heartbeat daemon with `stop()` (stops the whole heartbeat): Lightning's test fixtures
+    stop left-over daemon threads that way and then require them gone."""
+
+    def stop(self) -> None:
+        stop_heartbeat()
+
+
 class _Heartbeat:
     def __init__(self, store: Any, keep: Any, rank: int, local_rank: int, world: int,
                  bound: float) -> None:
@@ -81,8 +89,8 @@ class _Heartbeat:
         self.last_answer = time.monotonic()
         self.store_gone = False
         self.threads = [
-            threading.Thread(target=self._loop, daemon=True, name="fullshard-heartbeat"),
-            threading.Thread(target=self._judge, daemon=True, name="fullshard-heartbeat-judge"),
+            _HeartbeatThread(target=self._loop, daemon=True, name="fullshard-heartbeat"),
+            _HeartbeatThread(target=self._judge, daemon=True, name="fullshard-heartbeat-judge"),
         ]
         self._seen: dict[int, tuple[int, float]] = {}  # peer -> (counter, when it moved)
 

@@ -76,7 +76,8 @@ def test_fabric_script_on_2_processes_matches_one(
         assert all(daemon and stoppable for _, daemon, stoppable in threads["before"])
         assert threads["after"] == [], threads
     child = json.loads((tmp_path / f"{strategy}.json.threads.1").read_text())
-    assert [name for name, *_ in child["before"]] == ["fullshard-parent-watch"]
+    assert sorted(name for name, *_ in child["before"]) == [
+        "fullshard-heartbeat", "fullshard-heartbeat-judge", "fullshard-parent-watch"]
     calls = {k: v["calls"] for k, v in got["counts"].items()}
     if strategy == "NO_SHARD":
         assert got["mesh"] == [2, 1]
