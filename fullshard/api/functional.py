@@ -28,7 +28,7 @@ from fullshard.config import (
 from fullshard.distributed.mesh import build_mesh
 from fullshard.engine.entry import hook_entry_points
 from fullshard.engine.ignored import resolve_ignored
-from fullshard.engine.module import is_wrapped
+from fullshard.engine.runtime_lookup import is_wrapped
 from fullshard.engine.sharding import shard_module
 from fullshard.engine.wrap import normalize_policy
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from fullshard.config import check_bool
 from fullshard.distributed import comm
-from fullshard.engine.module import runtime_of
+from fullshard.engine.runtime_lookup import runtime_of
 
 
 def global_grad_norm(

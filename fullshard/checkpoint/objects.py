@@ -26,7 +26,8 @@ from torch.optim import Optimizer
 
 from fullshard.distributed import comm
 from fullshard.engine.layout import ShardLayout
-from fullshard.engine.module import FullyShardedModule, runtime_of
+from fullshard.engine.module import FullyShardedModule
+from fullshard.engine.runtime_lookup import runtime_of
 
 Filter = Mapping[str, Callable[[str, Any], bool]]
 

@@ -86,8 +86,9 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None
     if problem:
         return _fail(problem)
     from fullshard import Fabric, FSDPStrategy
+    from fullshard.demo.config import DemoConfig
     from fullshard.demo.report import format_report, write_figure
-    from fullshard.demo.train import DemoConfig, train
+    from fullshard.demo.train import train
     from fullshard.testing.models import Block
 
     cfg = DemoConfig(

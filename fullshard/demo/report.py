@@ -15,7 +15,7 @@ def planner_prediction(result: DemoResult) -> tuple[int, int]:
     """(model-state bytes, unsharded working-set bytes) per rank that `fullshard.plan`
     predicts for this run."""
     from fullshard import plan
-    from fullshard.demo.train import build_model
+    from fullshard.demo.config import build_model
 
     cfg = result.config
     table = plan(
@@ -33,7 +33,7 @@ def planner_prediction(result: DemoResult) -> tuple[int, int]:
 def predicted_step_seconds(result: DemoResult) -> tuple[float, str] | None:
     """The planner's step time for this run on this machine (`--hardware local`, measured
     now; a preset GPU on CUDA), and the hardware's name; None if it cannot be predicted."""
-    from fullshard.demo.train import build_model
+    from fullshard.demo.config import build_model
     from fullshard.planner.predict import predict
 
     cfg = result.config

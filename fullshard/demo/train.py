@@ -20,29 +20,11 @@ from typing import Any
 import torch
 
 import fullshard
-from fullshard.demo.data import VOCAB, decode, encode, global_batch, load_corpus, rank_rows
+from fullshard.demo.config import DemoConfig, build_model
+from fullshard.demo.data import decode, encode, global_batch, load_corpus, rank_rows
 from fullshard.distributed import comm
 from fullshard.planner.measure import measure_link
 from fullshard.testing.models import TinyGPT
-
-
-@dataclass(frozen=True)
-class DemoConfig:
-    strategy: str = "FULL_SHARD"
-    precision: str = "32-true"
-    bucketing: str = "BLOCK"
-    steps: int = 300
-    batch: int = 16
-    seq: int = 64
-    dim: int = 128
-    layers: int = 4
-    heads: int = 4
-    lr: float = 3e-3
-    seed: int = 0
-    out: str = "runs/demo"
-    resume: bool = False
-    sample_prompt: str = "Shall I compare thee"
-    sample_length: int = 200
 
 
 @dataclass
@@ -62,10 +44,6 @@ class DemoResult:
     link: dict[str, float] | None = None
     """The ranks' loopback link and engine overhead (`planner.measure.measure_link`), for the
     predicted step time on this machine."""
-
-
-def build_model(cfg: DemoConfig) -> TinyGPT:
-    return TinyGPT(vocab=VOCAB, dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, seq=cfg.seq)
 
 
 def _state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:

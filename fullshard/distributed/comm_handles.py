@@ -10,13 +10,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-
-if TYPE_CHECKING:  # only for the annotation of CommHandle's constructor (not introspected)
-    from fullshard.distributed.pairwise import Header
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "scatter")
 
@@ -98,6 +95,14 @@ def reset_comm_stats() -> None:
     _COUNTERS.reset()
 
 
+class HeaderCheck(Protocol):
+    """What a handle needs of a divergence header (pairwise.py's `Header`): `check()` waits for
+    the peers' headers and raises if they announce another collective. A protocol, so this file
+    does not import pairwise.py, which builds on it."""
+
+    def check(self) -> None: ...
+
+
 class CommHandle:
     """A collective in flight. `wait()` is idempotent."""
 
@@ -108,7 +113,7 @@ class CommHandle:
         work: Any = None,
         on_done: Callable[[], None] | None = None,
         refs: tuple = (),
-        header: Header | None = None,
+        header: HeaderCheck | None = None,
     ) -> None:
         self._work = work  # a Work, or a list of them (pairwise exchanges)
         self._on_done = on_done

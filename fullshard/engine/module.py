@@ -24,7 +24,9 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch import nn
 
+from fullshard.engine.full_state import full_state_dict, load_full_state_dict
 from fullshard.engine.hooks import Runtime
+from fullshard.engine.runtime_lookup import runtime_of
 
 _CLASS_CACHE: dict[type, type] = {}
 
@@ -76,8 +78,6 @@ class FullyShardedModule:
         """thunder's name for `fullshard.full_state_dict(model)`: every rank gets the unsharded
         state dict (original names and shapes), on CPU when `fsdp(move_state_dict_to_cpu=True)`.
         Collective: call it on every rank."""
-        from fullshard.engine.full_state import full_state_dict
-
         return full_state_dict(self)  # type: ignore[arg-type]
 
     def load_original_state_dict(
@@ -86,8 +86,6 @@ class FullyShardedModule:
         """thunder's name for `fullshard.load_full_state_dict(model, sd)`: each rank copies its
         own rows of the unsharded tensors into its shards (in place: optimizers built on the
         shards keep working). Returns `(missing_keys, unexpected_keys)`."""
-        from fullshard.engine.full_state import load_full_state_dict
-
         return load_full_state_dict(self, state_dict, strict=strict)  # type: ignore[arg-type]
 
 
@@ -102,17 +100,3 @@ def mark_wrapped(module: nn.Module, runtime: Runtime) -> None:
         _CLASS_CACHE[cls] = new_cls
     module.__class__ = new_cls
     module._fullshard_runtime = runtime  # a plain attribute: not a submodule or parameter
-
-
-def runtime_of(module: nn.Module) -> Runtime:
-    runtime = getattr(module, "_fullshard_runtime", None)
-    if runtime is None:
-        raise ValueError(
-            f"{type(module).__name__} is not wrapped by fullshard; call fullshard.fsdp(model) "
-            f"(or set it up through FSDPStrategy / Fabric) first."
-        )
-    return runtime
-
-
-def is_wrapped(module: nn.Module) -> bool:
-    return any(getattr(m, "_fullshard_runtime", None) is not None for m in module.modules())

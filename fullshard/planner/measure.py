@@ -91,7 +91,7 @@ def measure_link() -> dict[str, float]:
     latency and bandwidth and the engine's per-unit cost (module docstring)."""
     from torch import nn
 
-    import fullshard
+    from fullshard.api.functional import fsdp
     from fullshard.config import resolve_sharding_strategy
     from fullshard.distributed import comm
     from fullshard.distributed.mesh import build_mesh
@@ -113,7 +113,7 @@ def measure_link() -> dict[str, float]:
 
     x = torch.randn(2, 8)
     plain = blocks()
-    wrapped = fullshard.fsdp(blocks(), sharding_strategy="FULL_SHARD",
+    wrapped = fsdp(blocks(), sharding_strategy="FULL_SHARD",
                              auto_wrap_policy={nn.Sequential}, bucketing_strategy="BLOCK",
                              device="cpu")
     for m in (plain, wrapped):

@@ -40,7 +40,7 @@ def build_demo_model(**overrides: int) -> nn.Module:
     current default device."""
     import dataclasses
 
-    from fullshard.demo.train import DemoConfig, build_model
+    from fullshard.demo.config import DemoConfig, build_model
 
     fields = {"dim", "layers", "heads", "seq"}
     unknown = set(overrides) - fields

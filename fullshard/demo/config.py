@@ -1,0 +1,33 @@
+"""The demo's settings and its model: what `fullshard demo` trains, and what `fullshard plan demo`
+plans. Kept apart from train.py (which imports all of fullshard) so the planner can build the
+demo model without importing the package that imports the planner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fullshard.demo.data import VOCAB
+from fullshard.testing.models import TinyGPT
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    strategy: str = "FULL_SHARD"
+    precision: str = "32-true"
+    bucketing: str = "BLOCK"
+    steps: int = 300
+    batch: int = 16
+    seq: int = 64
+    dim: int = 128
+    layers: int = 4
+    heads: int = 4
+    lr: float = 3e-3
+    seed: int = 0
+    out: str = "runs/demo"
+    resume: bool = False
+    sample_prompt: str = "Shall I compare thee"
+    sample_length: int = 200
+
+
+def build_model(cfg: DemoConfig) -> TinyGPT:
+    return TinyGPT(vocab=VOCAB, dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, seq=cfg.seq)
