@@ -54,7 +54,7 @@ from __future__ import annotations
 import enum
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -62,8 +62,18 @@ from torch import nn
 from fullshard.engine.bucket import Bucket, start_gathers
 from fullshard.engine.sharded_param import ShardedParam
 
-if TYPE_CHECKING:
-    from fullshard.engine.hooks import Runtime
+
+class GradientSink(Protocol):
+    """What a unit's autograd functions below call back into: the `Runtime` (hooks.py), which
+    owns the reductions. A protocol, so this file does not import hooks.py, which builds on it."""
+
+    def post_backward(
+        self, unit: Unit, routing: list[tuple[Bucket, tuple[bool, ...]]], grads: tuple
+    ) -> list | None: ...
+
+    def recomputed_backward(self, unit: Unit, grads: tuple) -> None: ...
+
+    def frozen_backward_done(self, unit: Unit) -> None: ...
 
 
 class UnitState(enum.Enum):
@@ -79,7 +89,7 @@ class GatheredParams(torch.autograd.Function):
     except under `torch.autograd.grad`, where it returns the reduced local-shard gradients."""
 
     @staticmethod
-    def forward(ctx: Any, runtime: Runtime, unit: Unit, *shards: torch.Tensor) -> tuple:
+    def forward(ctx: Any, runtime: GradientSink, unit: Unit, *shards: torch.Tensor) -> tuple:
         ctx.runtime = runtime
         ctx.unit = unit
         ctx.routing = unit.routing  # this step's trainable flags (replaced, never mutated)
@@ -103,7 +113,7 @@ class RecomputedParams(torch.autograd.Function):
     sum of the pass instead of reducing them."""
 
     @staticmethod
-    def forward(ctx: Any, runtime: Runtime, unit: Unit, *shards: torch.Tensor) -> tuple:
+    def forward(ctx: Any, runtime: GradientSink, unit: Unit, *shards: torch.Tensor) -> tuple:
         ctx.runtime = runtime
         ctx.unit = unit
         ctx.set_materialize_grads(False)
@@ -120,7 +130,7 @@ class BackwardDone(torch.autograd.Function):
     through the unit, which is then done with its (re-gathered) parameters."""
 
     @staticmethod
-    def forward(ctx: Any, runtime: Runtime, unit: Unit, *inputs: torch.Tensor) -> tuple:
+    def forward(ctx: Any, runtime: GradientSink, unit: Unit, *inputs: torch.Tensor) -> tuple:
         ctx.runtime = runtime
         ctx.unit = unit
         return tuple(x.view_as(x) for x in inputs)
@@ -281,7 +291,7 @@ class Unit:
             if id(p) not in routed
         ]
 
-    def install(self, runtime: Runtime, *, with_grad: bool, pass_id: int) -> None:
+    def install(self, runtime: GradientSink, *, with_grad: bool, pass_id: int) -> None:
         """Put the unsharded tensors in place of the shards in every module that uses them."""
         if self.cached_views is not None and self.cached_pass == pass_id and self.is_gathered:
             views = self.cached_views
@@ -301,7 +311,7 @@ class Unit:
         for p, v in zip(self._install_order, views):
             p.install(v)
 
-    def install_recomputed(self, runtime: Runtime) -> None:
+    def install_recomputed(self, runtime: GradientSink) -> None:
         """Install the gathered tensors for a recomputation inside backward: trainable ones
         through `RecomputedParams` (uncounted, see the module docstring), frozen ones as
         plain views. Never cached: the forward pass's cached views may be stale by now."""
