@@ -1,16 +1,23 @@
-"""Eager vs torch.compile'd fullshard: step time on the benchmark GPT (`gpt.py`, config A/B).
+"""Eager vs torch.compile'd fullshard: step time on the benchmark GPT (`gpt.py`, config A/B)
+and on Hugging Face's GPT-2 (`--config gpt2`: `GPT2LMHeadModel` with config A's sizes, its
+loss computed inside the model's forward from `labels`, as HF training does).
 
     python benchmarks/compile_step_time.py --config A                  # record a run
+    python benchmarks/compile_step_time.py --config gpt2
     python benchmarks/compile_step_time.py --config A --steps 4 --warmup 2 --reps 1 --no-record
 
 Each variant runs in its own group of `--nproc` gloo ranks (spawned with
 `fullshard.testing.DistributedGroup`), on the same seeded model and data as `step_time.py`,
-with the model's default units (its blocks), AdamW, and `--strategy` (FULL_SHARD):
+with the model's default units (its blocks), AdamW, `--strategy` (FULL_SHARD) and
+`--bucketing` (BLOCK, issue 22's case):
 
 - `eager`: `fullshard.fsdp(model)`;
 - `compiled`: `fullshard.fsdp(torch.compile(model, backend=--backend))` (litgpt's order: the
   compiled model is unwrapped, sharded and compiled again with the same options);
 - `compiled-units`: each block `torch.compile`d, then sharded (torchtitan's order);
+- `fsdp2-eager` / `fsdp2-compiled`: torch's FSDP2 (`fully_shard` on each block and the root,
+  its defaults), then `torch.compile(model)`: FSDP2's hooks are dynamo-disabled too, so it
+  shows what the same mechanism gains in torch's own engine;
 - `ddp-eager` / `ddp-compiled`: torch DDP on the same model, eager and
   `torch.compile(DDP(model))` (what Fabric does with a compiled model): the gain compile gives
   a model whose code all compiles, against which fullshard's gain is measured (issue 22: the
@@ -41,10 +48,38 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-VARIANTS = ("eager", "compiled", "compiled-units", "ddp-eager", "ddp-compiled")
+VARIANTS = ("eager", "compiled", "compiled-units", "ddp-eager", "ddp-compiled", "fsdp2-eager",
+            "fsdp2-compiled")
 
 
-def _train(variant: str, config: str, strategy: str, backend: str, steps: int,
+def _hf_configs() -> dict[str, Any]:
+    from gpt import CONFIGS, GPTConfig
+
+    # `gpt2`: config A's sizes; `gpt2-tiny`: overhead-bound (as config S), where the Python
+    # of the root's forward (HF's mask and loss code) weighs most; `gpt2-micro`: the sizes of
+    # the HF tests (tests/distributed/test_hf_models.py), nothing but overhead
+    return {"gpt2": CONFIGS["A"],
+            "gpt2-tiny": GPTConfig("gpt2-tiny", layers=4, dim=64, vocab=512, seq=32,
+                                   global_batch=4),
+            "gpt2-micro": GPTConfig("gpt2-micro", layers=2, dim=16, vocab=64, seq=8,
+                                    global_batch=4)}
+
+
+def _hf_gpt2(cfg: Any) -> Any:
+    """HF GPT-2 with `cfg`'s sizes (dropout off, so runs are deterministic)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(1234)
+    hf = transformers.GPT2Config(
+        n_layer=cfg.layers, n_embd=cfg.dim, n_head=max(1, cfg.heads), vocab_size=cfg.vocab,
+        n_positions=cfg.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        bos_token_id=0, eos_token_id=0,
+    )
+    return transformers.GPT2LMHeadModel(hf)
+
+
+def _train(variant: str, config: str, strategy: str, bucketing: str, backend: str, steps: int,
            warmup: int, threads: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -53,24 +88,39 @@ def _train(variant: str, config: str, strategy: str, backend: str, steps: int,
 
     import fullshard
 
+    hf_configs = _hf_configs()
+
     torch.set_num_threads(threads)
     torch._dynamo.reset()
     counters.clear()
-    cfg = CONFIGS[config]
-    model = build_model(cfg)
+    hf = config.startswith("gpt2")
+    cfg = hf_configs[config] if hf else CONFIGS[config]
+    model = _hf_gpt2(cfg) if hf else build_model(cfg)
+    blocks = model.transformer.h if hf else model.blocks
     if variant == "compiled":
         model = torch.compile(model, backend=backend)
     elif variant == "compiled-units":
-        for i, block in enumerate(model.blocks):
-            model.blocks[i] = torch.compile(block, backend=backend)
+        for i, block in enumerate(blocks):
+            blocks[i] = torch.compile(block, backend=backend)
     if variant.startswith("ddp"):
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(model)
         if variant == "ddp-compiled":
             model = torch.compile(model, backend=backend)
+    elif variant.startswith("fsdp2"):  # torch's FSDP2, its hooks as dynamo-disabled as ours
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        if variant == "fsdp2-compiled":
+            model = torch.compile(model, backend=backend)
     else:
-        model = fullshard.fsdp(model, device="cpu", sharding_strategy=strategy)
+        model = fullshard.fsdp(model, device="cpu", sharding_strategy=strategy,
+                               bucketing_strategy=bucketing)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     pool = data_pool(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -78,7 +128,10 @@ def _train(variant: str, config: str, strategy: str, backend: str, steps: int,
     for step in range(steps):
         rows = rank_rows(pool[step % len(pool)], rank, world)
         t0 = time.perf_counter()
-        loss = lm_loss(model(rows[:, :-1]), rows[:, 1:])
+        if hf:  # HF shifts the labels itself
+            loss = model(input_ids=rows[:, :-1], labels=rows[:, :-1]).loss
+        else:
+            loss = lm_loss(model(rows[:, :-1]), rows[:, 1:])
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -87,7 +140,11 @@ def _train(variant: str, config: str, strategy: str, backend: str, steps: int,
         graphs.append(counters["stats"]["unique_graphs"])
     return {"times": times[warmup:], "losses": losses, "graphs_after_warmup": graphs[warmup - 1]
             if warmup else 0, "graphs_at_end": graphs[-1],
-            "graph_breaks": sum(counters["graph_break"].values())}
+            "graph_breaks": sum(counters["graph_break"].values()),
+            # why dynamo broke (first line of each reason): "graph break in loop" is a frame
+            # it skipped and ran eagerly
+            "graph_break_reasons": {k.split("\n")[0][:120]: v
+                                    for k, v in counters["graph_break"].items()}}
 
 
 def _spread(xs: list[float]) -> tuple[float, float, float] | None:
@@ -110,20 +167,22 @@ def _gains(runs: dict[str, list[dict[str, Any]]]) -> dict[str, tuple[Any, Any]]:
     if "ddp-eager" in runs and "ddp-compiled" in runs:
         ddp = [med("ddp-compiled", i) / med("ddp-eager", i) for i in range(reps)]
         out["ddp-compiled"] = (_spread(ddp), None)
-    for variant in ("compiled", "compiled-units"):
-        if variant in runs and "eager" in runs:
-            gain = [med(variant, i) / med("eager", i) for i in range(reps)]
+    for variant, base in (("compiled", "eager"), ("compiled-units", "eager"),
+                          ("fsdp2-compiled", "fsdp2-eager")):
+        if variant in runs and base in runs:
+            gain = [med(variant, i) / med(base, i) for i in range(reps)]
             over = [g / d for g, d in zip(gain, ddp)] if ddp else []
             out[variant] = (_spread(gain), _spread(over))
     return out
 
 
-def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_variant(variant: str, config: str, args: argparse.Namespace) -> dict[str, Any]:
     from fullshard.testing import DistributedGroup
 
     with DistributedGroup(args.nproc) as group:
-        per_rank = group.run(_train, variant, args.config, args.strategy, args.backend,
-                             args.steps, args.warmup, args.threads, timeout=args.timeout)
+        per_rank = group.run(_train, variant, config, args.strategy, args.bucketing,
+                             args.backend, args.steps[config], args.warmup[config], args.threads,
+                             timeout=args.timeout)
     step_times = [max(ts) for ts in zip(*(r["times"] for r in per_rank))]
     return {**per_rank[0], "step_times": step_times}
 
@@ -131,31 +190,41 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="A", choices=("A", "B"))
+    p.add_argument("--config", nargs="+", default=["A"],
+                   choices=("A", "B", "gpt2", "gpt2-tiny", "gpt2-micro"))
     p.add_argument("--strategy", default="FULL_SHARD")
+    p.add_argument("--bucketing", default="BLOCK")
     p.add_argument("--backend", default="inductor", help="torch.compile backend")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5, help="untimed leading steps (compile)")
+    p.add_argument("--steps", type=int, nargs="+", default=[20],
+                   help="steps per run: one value, or one per --config")
+    p.add_argument("--warmup", type=int, nargs="+", default=[5],
+                   help="untimed leading steps (compile): one value, or one per --config")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--results-dir", type=Path, default=HERE / "results")
     p.add_argument("--no-record", action="store_true")
+    p.add_argument("--record-name", default=None, help="file stem under --results-dir")
     args = p.parse_args()
-    if not 0 < args.warmup < args.steps:
+    for name in ("steps", "warmup"):
+        values = getattr(args, name)
+        if len(values) not in (1, len(args.config)):
+            p.error(f"--{name}: one value or one per --config ({len(args.config)}), got {values}")
+        setattr(args, name, dict(zip(args.config, values * len(args.config))))
+    if not all(0 < args.warmup[c] < args.steps[c] for c in args.config):
         p.error("need 0 < --warmup < --steps")
     return args
 
 
-def main() -> None:
-    args = parse_args()
+def run_config(config: str, args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
+    """The interleaved reps of every variant on one config: its table lines and raw runs."""
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in args.variants}
     for rep in range(args.reps):  # interleaved, so drifting load hits every variant alike
         for variant in args.variants:
-            runs[variant].append(run_variant(variant, args))
-            print(f"rep {rep} {variant}: median step "
+            runs[variant].append(run_variant(variant, config, args))
+            print(f"{config} rep {rep} {variant}: median step "
                   f"{statistics.median(runs[variant][-1]['step_times']):.4f} s", flush=True)
     rows = []
     eager = runs.get("eager")
@@ -167,6 +236,7 @@ def main() -> None:
             "graphs_after_warmup": reps[0]["graphs_after_warmup"],
             "graphs_at_end": reps[0]["graphs_at_end"],
             "graph_breaks": reps[0]["graph_breaks"],
+            "graph_break_reasons": reps[0]["graph_break_reasons"],
             "max_loss_diff_vs_eager": None if eager is None else max(
                 abs(a - b) for r, e in zip(reps, eager) for a, b in zip(r["losses"], e["losses"])
             ),
@@ -176,16 +246,18 @@ def main() -> None:
     medians = {r["variant"]: r["median_step_s"] for r in rows}
     gains = _gains(runs)
     lines = [
-        f"# fullshard eager vs torch.compile ({datetime.date.today().isoformat()})", "",
-        f"config {args.config}, {args.strategy}, {args.nproc} ranks x {args.threads} thread(s),"
-        f" backend {args.backend}, {args.steps} steps ({args.warmup} untimed) x {args.reps} "
-        f"reps, load average at start {os.getloadavg()[0]:.2f}", "",
+        f"## config {config}", "",
+        f"{args.strategy}, bucketing {args.bucketing}, {args.nproc} ranks x {args.threads} "
+        f"thread(s), backend {args.backend}, {args.steps[config]} steps "
+        f"({args.warmup[config]} untimed) x "
+        f"{args.reps} reps, load average at start of this config {os.getloadavg()[0]:.2f}", "",
         "| variant | median step s | / its eager | graphs after warm-up / at end | graph breaks |"
         " max loss diff vs eager |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
-        own = medians.get("ddp-eager") if r["variant"].startswith("ddp") else base
+        own = (medians.get("ddp-eager") if r["variant"].startswith("ddp") else
+               medians.get("fsdp2-eager") if r["variant"].startswith("fsdp2") else base)
         ratio = f"{r['median_step_s'] / own:.2f}" if own else "-"
         diff = "-" if r["max_loss_diff_vs_eager"] is None else f"{r['max_loss_diff_vs_eager']:.1e}"
         lines.append(f"| {r['variant']} | {r['median_step_s']:.4f} | {ratio} | "
@@ -196,14 +268,23 @@ def main() -> None:
               "| variant | compiled / eager | / DDP's compiled / eager |", "|---|---|---|"]
     for variant, (gain, over_ddp) in gains.items():
         lines.append(f"| {variant} | {_fmt(gain)} | {_fmt(over_ddp)} |")
-    text = "\n".join(lines) + "\n"
+    return lines, {"rows": rows, "runs": runs}
+
+
+def main() -> None:
+    args = parse_args()
+    lines = [f"# fullshard eager vs torch.compile ({datetime.date.today().isoformat()})", ""]
+    record: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
+    for config in args.config:
+        config_lines, record[config] = run_config(config, args)
+        lines += config_lines + [""]
+    text = "\n".join(lines)
     print(text)
     if not args.no_record:
-        stem = args.results_dir / f"{datetime.date.today().isoformat()}-compile_step_time"
+        stem = args.results_dir / (args.record_name or
+                                   f"{datetime.date.today().isoformat()}-compile_step_time")
         stem.with_suffix(".md").write_text(text)
-        stem.with_suffix(".json").write_text(json.dumps({"args": {k: str(v) for k, v in
-                                                                  vars(args).items()},
-                                                         "rows": rows, "runs": runs}, indent=1))
+        stem.with_suffix(".json").write_text(json.dumps(record, indent=1))
         print(f"wrote {stem}.md and .json")
 
 
