@@ -284,9 +284,11 @@ class Runtime:
         unit.add_partial_grads(grads)
 
     def post_forward(self, unit: Unit, module: torch.nn.Module, args: Any, output: Any) -> None:
+        regathers = False  # ZeRO-3: this pass's backward gathers units again
         if unit is self.root and self._saved_hooks is not None:
             hooks, self._saved_hooks = self._saved_hooks, None
             hooks.__exit__(None, None, None)
+            regathers = True
         unit.uninstall()
         if unit is self.root and not _in_backward() and id(sys.exc_info()[1]) != self._forward_exc:
             # `always_call`: the forward raised (an exception other than the one being
@@ -301,6 +303,8 @@ class Runtime:
                 for u in self.units[1:]:
                     if u.is_gathered or u.state is UnitState.GATHERING:
                         self._release(u)
+            if regathers:
+                self._prefetch_backward_start(self._expected_backward_order())
         elif self._release_after_forward(unit, self.plan.reshard_after_forward):
             self._release(unit)
 
@@ -425,6 +429,21 @@ class Runtime:
         assert buf is not None
         return buf.as_strided(saved.size, saved.stride, saved.offset)
 
+    def _expected_backward_order(self) -> list[Unit]:
+        """The order backward is expected to gather units in: last step's, else the reverse
+        of this forward."""
+        return self.backward_order_prev or list(reversed(self.forward_order))
+
+    def _prefetch_backward_start(self, order: list[Unit]) -> None:
+        """ZeRO-3, the root's forward is done: start gathering again the first
+        `backward_prefetch_limit` units backward will need (see the note on the turn)."""
+        if self.backward_prefetch_limit <= 0:
+            return
+        ahead = list(dict.fromkeys(u for u in order if not u.is_gathered))
+        ahead = ahead[: self.backward_prefetch_limit]
+        if ahead:
+            ahead[0].start_gather_with(ahead[1:], async_op=True)
+
     # -- backward ---------------------------------------------------------------------------
     def _ensure_backward_callback(self) -> None:
         if not _in_backward():
@@ -438,8 +457,7 @@ class Runtime:
         # outside backward (next forward, zero_grad).
         Variable._execution_engine.queue_callback(functools.partial(self._finalize_backward, task))
         self.callback_task = task
-        # Expected order of backward gathers: last step's, else the reverse of this forward.
-        order = self.backward_order_prev or list(reversed(self.forward_order))
+        order = self._expected_backward_order()
         plan: dict[Unit, int] = {}
         for i, u in enumerate(order):
             plan.setdefault(u, i)
