@@ -26,7 +26,6 @@ import argparse
 import functools
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,8 +52,7 @@ TRACER = Tracer()
 
 def install() -> Tracer:
     """Wrap fullshard's collectives, CommHandle.wait and the runtime's hooks."""
-    from fullshard.distributed import comm
-    from fullshard.distributed import comm_handles
+    from fullshard.distributed import comm, comm_handles
     from fullshard.engine import hooks
 
     tr = TRACER
@@ -168,9 +166,9 @@ def render(traces: list[dict[str, Any]], link: list[tuple[float, int, int]], ste
     r0 = next(t for t in traces if t["rank"] == 0)
     s = r0["steps"][step]
     t0, t1 = s["start"], s["end"]
-    lines = [f"step {step}: rank 0 {1e3 * (t1 - t0):.1f} ms; "
-             + ", ".join(f"rank {t['rank']} {1e3 * (t['steps'][step]['end'] - t['steps'][step]['start']):.1f} ms"
-                         for t in traces if t["rank"] != 0)]
+    others = [(t["rank"], t["steps"][step]) for t in traces if t["rank"] != 0]
+    lines = [f"step {step}: rank 0 {1e3 * (t1 - t0):.1f} ms; " + ", ".join(
+        f"rank {r} {1e3 * (st['end'] - st['start']):.1f} ms" for r, st in others)]
     for tr in sorted(traces, key=lambda t: t["rank"]):
         st = tr["steps"][step]
         lines.append(f"\n## rank {tr['rank']} (phases: " + ", ".join(

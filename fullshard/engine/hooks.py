@@ -74,6 +74,19 @@ gathered and gathers nothing. A forward with gradients that no backward follows 
 root gathered until the next step reuses it (as ZeRO-2 leaves every unit); `release_all`,
 `zero_grad` after a failed step and a load drop it.
 
+[Note: the turn from forward to backward]
+Under ZeRO-3 the first unit backward needs (the last block; the order recorded last step,
+else the reverse of this forward) was released by its post-hook moments ago, and its first
+saved tensor is unpacked only after the loss and the root's own backward (an LM head) have
+run. Gathering it only then left the link idle for that whole stretch and the gather exposed
+(on 2 emulated hosts at 300 Mbit/s, config A: ~130 ms idle, then 140 ms blocked). So the
+root's post-hook, when this forward pushed the saved-tensor hooks (ZeRO-3 with grad), starts
+the gathers of the first `backward_prefetch_limit` units of that order
+(`_prefetch_backward_start`). Counts per step are the algorithm's (the gather is one
+backward would issue anyway; it is counted when it is issued, before `loss.backward()`); the
+transient memory is the prefetch's, within the limit. A forward with grad that no backward
+follows leaves them gathered until the next step uses or releases them, as it leaves the root.
+
 [Note: recomputation]
 Activation checkpointing reruns unit forwards *inside* backward. There the pre-hook gathers as
 usual but records no order, prefetches nothing, pushes no saved-tensor hooks (checkpoint's own
@@ -436,7 +449,8 @@ class Runtime:
 
     def _prefetch_backward_start(self, order: list[Unit]) -> None:
         """ZeRO-3, the root's forward is done: start gathering again the first
-        `backward_prefetch_limit` units backward will need (see the note on the turn)."""
+        `backward_prefetch_limit` units backward will need (see the note on the turn from
+        forward to backward)."""
         if self.backward_prefetch_limit <= 0:
             return
         ahead = list(dict.fromkeys(u for u in order if not u.is_gathered))
