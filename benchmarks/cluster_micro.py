@@ -39,13 +39,18 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+SEND_FIRST = False
 
 
 # -- the ranks --------------------------------------------------------------------------------
 def _exchange(buf_out: Any, buf_in: Any, peer: int, tag: int) -> list[Any]:
     import torch.distributed as dist
 
-    return [dist.isend(buf_out, peer, tag=tag), dist.irecv(buf_in, peer, tag=tag)]
+    # receive first, as comm's exchanges do (pairwise.py, the note on posting order); the
+    # 2026-12-03 record ran with the send posted first (`--send-first`), as they did then
+    if SEND_FIRST:
+        return [dist.isend(buf_out, peer, tag=tag), dist.irecv(buf_in, peer, tag=tag)]
+    return [dist.irecv(buf_in, peer, tag=tag), dist.isend(buf_out, peer, tag=tag)]
 
 
 def _wait(works: list[Any]) -> None:
@@ -201,10 +206,14 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--sysctl", action="append", default=[])
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--send-first", action="store_true",
+                   help="post each exchange's send before its receive")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
+        global SEND_FIRST
+        SEND_FIRST = args.send_first
         worker(args)
         return 0
     sys.path.insert(0, str(HERE))
@@ -224,6 +233,7 @@ def main() -> int:
                            OMP_NUM_THREADS="1")
                 cmd = [sys.executable, __file__, "--worker", "--rate-mbit", str(args.rate_mbit),
                        "--reps", str(args.reps), "--out", str(out),
+                       *(["--send-first"] if args.send_first else []),
                        "--sizes", *map(str, args.sizes)]
                 procs.append(net.popen(rank, cmd, env=env))
             ended = wait_all(procs, 900)
