@@ -57,7 +57,8 @@ WORKER = HERE / "cluster_worker.py"
 KILL_BOUND_S = 10.0
 RUN_TIMEOUT_S = 900.0
 OVERLAP_IMPLS = ("fullshard-full_shard-block", "fullshard-shard_grad_op-block",
-                 "fsdp2-reshard", "ddp")
+                 "fsdp2-default", "ddp")
+"""fullshard's defaults against FSDP2's default (both keep the root gathered into backward)."""
 _port = [29500 + os.getpid() % 1000]
 
 

@@ -89,6 +89,14 @@ def loss_diff(rec: dict[str, Any], ref: dict[str, Any] | None) -> tuple[float, b
     return max(diffs), ok
 
 
+def _fsdp2_row(impls: list[str]) -> str:
+    """The FSDP2 row "/ FSDP2" is taken against: its default (`reshard_after_forward=None`,
+    the root kept gathered, like fullshard's default) where it ran, else the first FSDP2 row
+    (records before 2026-12-03's second run have `fsdp2-reshard` only)."""
+    fsdp2 = [i for i in impls if i.startswith("fsdp2")]
+    return "fsdp2-default" if "fsdp2-default" in fsdp2 else (fsdp2[0] if fsdp2 else "")
+
+
 def summarize_overlap(ov: dict[str, Any]) -> dict[str, Any]:
     rate = ov["rate_mbit"]
     recs = ov["records"]
@@ -107,8 +115,9 @@ def summarize_overlap(ov: dict[str, Any]) -> dict[str, Any]:
         compute = statistics.median(un)
         comm = per_step * 8 / (rate * 1e6)
         step = statistics.median(sh)
-        vs_fsdp2 = [step_time(r) / step_time(by[("fsdp2-reshard", "shaped", r["rep"])])
-                    for r in sh_recs if ("fsdp2-reshard", "shaped", r["rep"]) in by]
+        fsdp2 = _fsdp2_row(impls)
+        vs_fsdp2 = [step_time(r) / step_time(by[(fsdp2, "shaped", r["rep"])])
+                    for r in sh_recs if (fsdp2, "shaped", r["rep"]) in by]
         diffs = [loss_diff(r, refs.get(r["world"])) for r in sh_recs]
         per_rep = []  # the same formula within each rep: the machine's load drifts between reps
         for r in sh_recs:

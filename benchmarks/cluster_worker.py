@@ -66,6 +66,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", default=None)
     p.add_argument("--ready-dir", default=None)
     p.add_argument("--ready-after", type=int, default=2)
+    p.add_argument("--option", action="append", default=[],
+                   help="fullshard impls: an extra fullshard.fsdp option key=value (JSON value)")
+    p.add_argument("--trace", default=None,
+                   help="directory: write a timeline of every step there (cluster_trace.py)")
     args = p.parse_args()
     if args.steps < 1 or not 0 <= args.warmup < args.steps:
         p.error(f"need steps >= 1 and 0 <= warmup < steps, got {args.steps} / {args.warmup}")
@@ -84,6 +88,11 @@ def main() -> None:
     args = parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` dumps the stacks
     impl = CLUSTER_IMPLS[args.impl]
+    if args.option:
+        if impl.family != "fullshard":
+            raise SystemExit(f"--option is for fullshard implementations, not {impl.name}")
+        extra = {k: json.loads(v) for k, v in (o.split("=", 1) for o in args.option)}
+        impl = dataclasses.replace(impl, options={**impl.options, **extra})
     torch.set_num_threads(impl.threads)
     distributed = impl.family != "single"
     if distributed:
@@ -99,6 +108,13 @@ def main() -> None:
     engine = None
     if impl.family == "fullshard":
         import fullshard as engine
+    tracer = None
+    if args.trace and engine is not None:
+        import cluster_trace
+
+        tracer = cluster_trace.install()
+        tracer.on = True
+    marks: list[dict[str, float]] = []
     batches = [rank_rows(b, rank, world) for b in data_pool(cfg)]
 
     step_s: list[float] = []
@@ -117,16 +133,26 @@ def main() -> None:
         batch = batches[step % len(batches)]
         t0 = time.perf_counter()
         trainer.zero_grad()
+        t_zero = time.perf_counter()
         loss = lm_loss(trainer.forward(batch[:, :-1]), batch[:, 1:])
+        t_fwd = time.perf_counter()
         trainer.backward(loss)
+        t_bwd = time.perf_counter()
         trainer.step()
-        step_s.append(time.perf_counter() - t0)
+        t_end = time.perf_counter()
+        step_s.append(t_end - t0)
+        marks.append({"start": t0, "zero_grad": t_zero, "forward": t_fwd, "backward": t_bwd,
+                      "end": t_end})
         losses.append(loss.item())
         if args.ready_dir and step == args.ready_after:
             path = Path(args.ready_dir) / f"rank{rank}.pid"
             path.with_suffix(".tmp").write_text(str(os.getpid()))
             path.with_suffix(".tmp").rename(path)
     window["seconds"] = time.perf_counter() - window["t0"]
+    if tracer is not None:
+        import cluster_trace
+
+        cluster_trace.dump(str(Path(args.trace) / f"trace-rank{rank}.json"), rank, marks)
     if distributed:
         window["c10d"] = comm_count.stop()
     window["fullshard"] = engine.comm_stats() if engine is not None else None

@@ -26,6 +26,17 @@ its own collectives, which already are optimal. Each gloo message has a fixed co
 as one message per peer -- every piece of a bucket, and the buckets of several small units
 the engine issues together -- at the price of one copy of what is exchanged.
 
+[Note: receives are posted first]
+Gloo's TCP transport moves a message only once both ends have posted it: posting a receive
+sends the peer a small "ready to receive" notice, and the peer's data follows when that
+notice arrives. Notices and data share the pair's one TCP connection and its one send queue,
+in posting order. Posting a send first puts its data (megabytes) in that queue ahead of our
+receive notice of the same exchange, so the peer cannot start sending until our data has
+crossed the link: on a link slower than the CPU (300 Mbit/s between hosts) one direction
+idled for ~100 ms per large exchange, and whichever rank ran behind made the other's data
+wait. So every exchange posts all its receives, then its sends (`_Posts`); the matching of
+messages is unchanged (per peer and tag, receives and sends each keep their order).
+
 [Note: ranks that run different units]
 Every exchange is matched by its position in the group's sequence, so all ranks must issue
 the engine's collectives in the same order. When they do not (LayerDrop with a per-rank RNG, an
@@ -129,17 +140,43 @@ def _parse(row: torch.Tensor) -> tuple[int, ...]:
     return tuple(row[16 : header_size(n)].view(torch.int64).tolist())
 
 
+class _Posts:
+    """The point-to-point messages of one exchange, posted receives first (see the note on
+    posting order): collect them with `send` / `recv`, then `post()` returns the works."""
+
+    __slots__ = ("group", "sends", "recvs")
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+        self.sends: list[tuple[torch.Tensor, int, int]] = []
+        self.recvs: list[tuple[torch.Tensor, int, int]] = []
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        """`peer`: the group rank."""
+        self.sends.append((tensor, peer, tag))
+
+    def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        self.recvs.append((tensor, peer, tag))
+
+    def post(self) -> list[Any]:
+        works, g = [], self.group
+        for t, peer, tag in self.recvs:
+            works.append(dist.irecv(t, g.ranks[peer], group=g.pg, tag=tag))
+        for t, peer, tag in self.sends:
+            works.append(dist.isend(t, g.ranks[peer], group=g.pg, tag=tag))
+        return works
+
+
 def _swap_with_peers(send: torch.Tensor, rows: torch.Tensor, group: Group, tag: int) -> list[Any]:
     """Post `send` to every peer, and a receive of each peer's message into its row of `rows`
-    (peer r's row: r - (r > rank), i.e. the peers in rank order)."""
+    (peer r's row: r - (r > rank), i.e. the peers in rank order); receives first."""
     size, rank = group.size, group.rank
-    works = []
+    posts = _Posts(group)
     for step in range(1, size):
         dst, src = (rank + step) % size, (rank - step) % size
-        works.append(dist.isend(send, group.ranks[dst], group=group.pg, tag=tag))
-        row = rows[src - (src > rank)]
-        works.append(dist.irecv(row, group.ranks[src], group=group.pg, tag=tag))
-    return works
+        posts.send(send, dst, tag)
+        posts.recv(rows[src - (src > rank)], src, tag)
+    return posts.post()
 
 
 def _sum_into(out: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
@@ -178,7 +215,7 @@ def all_gather_pairwise(
     size, rank = group.size, group.rank
     flat_out = output.view(-1)
     small = _small_pieces(pieces, flat_in.element_size())
-    works, start, packed = [], 0, []  # packed: (our piece, its slots) of the small pieces
+    posts, start, packed = _Posts(group), 0, []  # packed: (our piece, its slots), small ones
     for j, piece in enumerate(pieces):
         mine = flat_in[start : start + piece]
         slots = flat_out[size * start : size * (start + piece)].view(size, piece)
@@ -190,13 +227,18 @@ def all_gather_pairwise(
         tag = tag_of(seq, ident, j + 1)
         for step in range(1, size):
             dst, src = (rank + step) % size, (rank - step) % size
-            works.append(dist.isend(mine, group.ranks[dst], group=group.pg, tag=tag))
-            works.append(dist.irecv(slots[src], group.ranks[src], group=group.pg, tag=tag))
+            posts.send(mine, dst, tag)
+            posts.recv(slots[src], src, tag)
     if not packed:
-        return CommHandle(works, refs=(output, flat_in), header=header)
+        return CommHandle(posts.post(), refs=(output, flat_in), header=header)
     send = torch.cat([mine for mine, _ in packed])
     staged = send.new_empty((size - 1, send.numel()))
-    works += _swap_with_peers(send, staged, group, tag_of(seq, ident, len(pieces) + 1))
+    tag = tag_of(seq, ident, len(pieces) + 1)
+    for step in range(1, size):
+        dst, src = (rank + step) % size, (rank - step) % size
+        posts.send(send, dst, tag)
+        posts.recv(staged[src - (src > rank)], src, tag)
+    works = posts.post()
     sizes = [mine.numel() for mine, _ in packed]
 
     def place() -> None:
@@ -310,7 +352,7 @@ def reduce_scatter_pairwise(
     # Received chunks of the peers in rank order (row r - (r > rank)); none on two ranks.
     received = None if direct else output.new_empty((size - 1, output.numel()))
     small = _small_pieces([n for _, n, _ in pieces], output.element_size())
-    works, wire, offset, plan = [], 0, 0, []
+    posts, wire, offset, plan = _Posts(group), 0, 0, []
     packed_for: list[list[torch.Tensor]] = [[] for _ in range(size)]  # chunks for each peer
     packed_mine = 0  # elements of our chunks of the small pieces (what each peer sends us)
     for j, (x, n, real) in enumerate(pieces):
@@ -330,12 +372,11 @@ def reduce_scatter_pairwise(
             dst, src = (rank + step) % size, (rank - step) % size
             if real[dst] > 0:
                 chunk = x[dst * n : dst * n + real[dst]]
-                works.append(dist.isend(chunk, group.ranks[dst], group=group.pg, tag=tag))
+                posts.send(chunk, dst, tag)
                 wire += _nbytes(chunk)
             if mine > 0:
                 into = flat_out if received is None else received[src - (src > rank)]
-                into = into[offset : offset + mine]
-                works.append(dist.irecv(into, group.ranks[src], group=group.pg, tag=tag))
+                posts.recv(into[offset : offset + mine], src, tag)
         offset += n
     sends, staged = [], None
     if small:
@@ -345,11 +386,11 @@ def reduce_scatter_pairwise(
             dst, src = (rank + step) % size, (rank - step) % size
             if packed_for[dst]:
                 sends.append(torch.cat(packed_for[dst]))
-                works.append(dist.isend(sends[-1], group.ranks[dst], group=group.pg, tag=tag))
+                posts.send(sends[-1], dst, tag)
                 wire += _nbytes(sends[-1])
             if packed_mine > 0:
-                row = staged[src - (src > rank)]
-                works.append(dist.irecv(row, group.ranks[src], group=group.pg, tag=tag))
+                posts.recv(staged[src - (src > rank)], src, tag)
+    works = posts.post()
     _COUNTERS.add("reduce_scatter", size * _nbytes(output), wire)
 
     def sum_in_rank_order() -> None:
@@ -398,18 +439,17 @@ def reduce_scatter_packed(
     row = capacity if fold else counts[rank] * esize
     staged = torch.empty((size - 1, row), dtype=torch.uint8, device=items[0][0].device)
     tag = tag_of(seq, 0, 0) if fold else tag_of(seq, idents[0], 1)
-    works, sends = [], []
+    posts, sends = _Posts(group), []
     for step in range(1, size):
         dst, src = (rank + step) % size, (rank - step) % size
         if counts[dst] > 0 or fold:
             chunks = [x[dst * n : dst * n + real[dst]] for x, n, real in pieces if real[dst]]
             send = chunks[0] if prefix is None and len(chunks) == 1 else _message(prefix, chunks)
             sends.append(send)
-            works.append(dist.isend(send, group.ranks[dst], group=group.pg, tag=tag))
+            posts.send(send, dst, tag)
         if counts[rank] > 0 or fold:
-            works.append(
-                dist.irecv(staged[src - (src > rank)], group.ranks[src], group=group.pg, tag=tag)
-            )
+            posts.recv(staged[src - (src > rank)], src, tag)
+    works = posts.post()
     for (output, _, _, _), plan in zip(items, plans):  # each item: its peers' real elements
         wire = sum(real[r] for _, _, real in plan for r in range(size) if r != rank)
         _COUNTERS.add("reduce_scatter", size * _nbytes(output), wire * esize)

@@ -74,6 +74,19 @@ gathered and gathers nothing. A forward with gradients that no backward follows 
 root gathered until the next step reuses it (as ZeRO-2 leaves every unit); `release_all`,
 `zero_grad` after a failed step and a load drop it.
 
+[Note: the turn from forward to backward]
+Under ZeRO-3 the first unit backward needs (the last block; the order recorded last step,
+else the reverse of this forward) was released by its post-hook moments ago, and its first
+saved tensor is unpacked only after the loss and the root's own backward (an LM head) have
+run. Gathering it only then left the link idle for that whole stretch and the gather exposed
+(on 2 emulated hosts at 300 Mbit/s, config A: ~130 ms idle, then 140 ms blocked). So the
+root's post-hook, when this forward pushed the saved-tensor hooks (ZeRO-3 with grad), starts
+the gathers of the first `backward_prefetch_limit` units of that order
+(`_prefetch_backward_start`). Counts per step are the algorithm's (the gather is one
+backward would issue anyway; it is counted when it is issued, before `loss.backward()`); the
+transient memory is the prefetch's, within the limit. A forward with grad that no backward
+follows leaves them gathered until the next step uses or releases them, as it leaves the root.
+
 [Note: recomputation]
 Activation checkpointing reruns unit forwards *inside* backward. There the pre-hook gathers as
 usual but records no order, prefetches nothing, pushes no saved-tensor hooks (checkpoint's own
@@ -284,9 +297,11 @@ class Runtime:
         unit.add_partial_grads(grads)
 
     def post_forward(self, unit: Unit, module: torch.nn.Module, args: Any, output: Any) -> None:
+        regathers = False  # ZeRO-3: this pass's backward gathers units again
         if unit is self.root and self._saved_hooks is not None:
             hooks, self._saved_hooks = self._saved_hooks, None
             hooks.__exit__(None, None, None)
+            regathers = True
         unit.uninstall()
         if unit is self.root and not _in_backward() and id(sys.exc_info()[1]) != self._forward_exc:
             # `always_call`: the forward raised (an exception other than the one being
@@ -301,6 +316,8 @@ class Runtime:
                 for u in self.units[1:]:
                     if u.is_gathered or u.state is UnitState.GATHERING:
                         self._release(u)
+            if regathers:
+                self._prefetch_backward_start(self._expected_backward_order())
         elif self._release_after_forward(unit, self.plan.reshard_after_forward):
             self._release(unit)
 
@@ -425,6 +442,22 @@ class Runtime:
         assert buf is not None
         return buf.as_strided(saved.size, saved.stride, saved.offset)
 
+    def _expected_backward_order(self) -> list[Unit]:
+        """The order backward is expected to gather units in: last step's, else the reverse
+        of this forward."""
+        return self.backward_order_prev or list(reversed(self.forward_order))
+
+    def _prefetch_backward_start(self, order: list[Unit]) -> None:
+        """ZeRO-3, the root's forward is done: start gathering again the first
+        `backward_prefetch_limit` units backward will need (see the note on the turn from
+        forward to backward)."""
+        if self.backward_prefetch_limit <= 0:
+            return
+        ahead = list(dict.fromkeys(u for u in order if not u.is_gathered))
+        ahead = ahead[: self.backward_prefetch_limit]
+        if ahead:
+            ahead[0].start_gather_with(ahead[1:], async_op=True)
+
     # -- backward ---------------------------------------------------------------------------
     def _ensure_backward_callback(self) -> None:
         if not _in_backward():
@@ -438,8 +471,7 @@ class Runtime:
         # outside backward (next forward, zero_grad).
         Variable._execution_engine.queue_callback(functools.partial(self._finalize_backward, task))
         self.callback_task = task
-        # Expected order of backward gathers: last step's, else the reverse of this forward.
-        order = self.backward_order_prev or list(reversed(self.forward_order))
+        order = self._expected_backward_order()
         plan: dict[Unit, int] = {}
         for i, u in enumerate(order):
             plan.setdefault(u, i)

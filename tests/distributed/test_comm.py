@@ -156,6 +156,46 @@ def test_small_segmented_exchanges_send_one_message_per_peer(group):
         assert got["reduce"] <= peers * (1 + 2 + 1)  # a rank sends no empty chunk
 
 
+def _posting_order(exchange: str) -> dict:
+    """The order one rank posts the point-to-point messages of unlabelled (headerless)
+    exchanges in: 'r' for a receive, 's' for a send."""
+    _set_sizes(exchange)
+    shard = comm.Group.from_process_group()
+    size, rank = shard.size, shard.rank
+    sizes = [ShardLayout(torch.Size(s), size, rank).padded_shard_numel for s in SHAPES]
+    log: list[str] = []
+    isend, irecv = comm.dist.isend, comm.dist.irecv
+    comm.dist.isend = lambda *a, **k: log.append("s") or isend(*a, **k)
+    comm.dist.irecv = lambda *a, **k: log.append("r") or irecv(*a, **k)
+    orders = {}
+    try:
+        out = torch.empty(size * sum(sizes))
+        comm.all_gather(out, torch.ones(sum(sizes)), shard, segments=sizes)
+        orders["gather"], log[:] = "".join(log), []
+        grads = [g.reshape(-1) for g in _grads(rank)]
+        comm.reduce_scatter_segments(torch.empty(sum(sizes)), grads, sizes, shard)
+        orders["reduce"], log[:] = "".join(log), []
+        comm.all_reduce(torch.ones(8), shard)
+        orders["sum"] = "".join(log)
+    finally:
+        comm.dist.isend, comm.dist.irecv = isend, irecv
+    return orders
+
+
+@pytest.mark.parametrize("exchange", sorted(EXCHANGES))
+def test_exchanges_post_their_receives_before_their_sends(group, exchange):
+    """Gloo moves a message only after the receiver's notice reached the sender, through the
+    pair's one TCP connection, in posting order: a send posted first queues its data ahead of
+    our notice, and the peer waits for our data to cross the link before it may send (see
+    pairwise.py's note on posting order). So every receive goes out first."""
+    for orders in group.run(_posting_order, exchange):
+        for kind, order in orders.items():
+            if not order:  # a small sum on 2 ranks may be gloo's own all-reduce
+                continue
+            assert "s" in order and "r" in order, (kind, order)
+            assert order.rindex("r") < order.index("s"), (kind, order)
+
+
 def _native_collectives() -> dict:
     """The NCCL code path on gloo (`use_native_collectives`): the backend's own collectives."""
     shard = comm.Group.from_process_group()

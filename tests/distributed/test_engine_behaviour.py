@@ -601,8 +601,8 @@ def test_no_shard_sums_small_units_in_one_exchange(group2):
 
 
 def _retained_after_forward(
-    strategy: str, bucketing: str, reshard: bool | None = None
-) -> tuple[int, ...]:
+    strategy: str, bucketing: str, reshard: bool | None = None, prefetch_limit: int = 1
+) -> tuple:
     """How many of the unsharded buffers gathered during forward, and of the tensors the
     modules were handed in place of their parameters, are still alive (held by anyone: the
     engine, or autograd's saved tensors) once forward has returned. By default the root
@@ -614,6 +614,7 @@ def _retained_after_forward(
         bucketing_strategy=bucketing,
         auto_wrap_policy={BigBlock},
         reshard_after_forward=reshard,
+        prefetch_limit=prefetch_limit,
     )
     runtime = model.fullshard_runtime
     seen: list[weakref.ref] = []
@@ -643,8 +644,13 @@ def _retained_after_forward(
     tracked = fullshard.memory_stats()["unsharded_param_bytes"]
     root = runtime.root
     root_gathered = sum(b.unsharded.nbytes for b in root.buckets if b.unsharded is not None)
+    # ZeRO-3's backward prefetch, issued once the root's forward is done (hooks.py, the
+    # note on the turn): the units in flight now, and what they gather.
+    ahead = [u for u in runtime.units[1:] if u.in_flight]
+    ahead_bytes = sum(p.layout.padded_numel * F32 for u in ahead for p in u.params)
     loss.backward()
-    return alive, len(seen), alive_installed, len(installed), tracked, root_gathered
+    return (alive, len(seen), alive_installed, len(installed), tracked, root_gathered,
+            [u.name for u in ahead], ahead_bytes)
 
 
 @pytest.mark.parametrize("bucketing", ["NONE", "BLOCK"])
@@ -657,20 +663,29 @@ def test_zero3_keeps_no_unsharded_buffer_alive_for_backward(group2, bucketing):
     n_buckets = {"NONE": n_params, "BLOCK": 5}[bucketing]
     root_buckets = {"NONE": 4, "BLOCK": 1}[bucketing]
     # reshard_after_forward=True: every unit, the root included, is released after forward.
-    z3 = group2.run(_retained_after_forward, "ZERO3", bucketing, True)[0]
-    alive, gathered, alive_views, views, tracked, root = z3
+    # Without backward prefetch nothing is gathered once forward has returned.
+    z3 = group2.run(_retained_after_forward, "ZERO3", bucketing, True, 0)[0]
+    alive, gathered, alive_views, views, tracked, root, ahead, _ = z3
     assert (gathered, views) == (n_buckets, n_params)  # each gathered once in forward
     assert alive == 0, f"{alive} of {gathered} gathered buffers outlive forward"
     # also catches handing modules *copies* (then the buffers die but the copies live on)
     assert alive_views == 0, f"{alive_views} of {views} unsharded parameters outlive forward"
     assert tracked == root == 0, f"memory_stats counts {tracked} unsharded bytes after forward"
+    assert ahead == []
+    # With it (prefetch_limit=1), the one unit backward needs first is on its way already:
+    # a fresh gather (the forward's buffers are all dead), counted, and nothing else.
+    z3 = group2.run(_retained_after_forward, "ZERO3", bucketing, True)[0]
+    alive, gathered, alive_views, views, tracked, root, ahead, ahead_bytes = z3
+    assert alive == alive_views == 0 and root == 0, z3
+    assert ahead == ["blocks.3"] and tracked == ahead_bytes > 0, z3
     # The default: the same for every unit but the root, which alone stays gathered.
     z3 = group2.run(_retained_after_forward, "ZERO3", bucketing)[0]
-    alive, gathered, alive_views, views, tracked, root = z3
+    alive, gathered, alive_views, views, tracked, root, ahead, ahead_bytes = z3
     assert (gathered, views) == (n_buckets - root_buckets, n_params - 4)
     assert alive == alive_views == 0, z3
-    assert tracked == root > 0, z3
-    alive, gathered, _, _, tracked, _ = group2.run(_retained_after_forward, "ZERO2", bucketing)[0]
+    assert ahead == ["blocks.3"] and tracked == root + ahead_bytes and root > 0, z3
+    alive, gathered, *_, tracked, _, _, _ = group2.run(
+        _retained_after_forward, "ZERO2", bucketing)[0]
     assert alive == gathered == n_buckets  # ZeRO-2 keeps them, by design
     assert tracked > 0
 
