@@ -250,6 +250,12 @@ class _Replay:
         self._post_forward(0)
         backward = [0, *reversed(forward[1:])]  # the order gathers happen in backward
         plan = backward if self.warm else list(reversed(forward))
+        if self.zero3 and self.prefetch > 0:
+            # hooks.Runtime._prefetch_backward_start: the root's post-hook starts the first
+            # units backward needs, as one exchange (the engine's note on the turn).
+            ahead = [j for j in plan if self.state[j] == "sharded"][: self.prefetch]
+            for j in ahead:
+                self.start(j, ahead)
         for i in backward:
             if self.zero3 and self.state[i] != "gathered":
                 self.gather_ahead(i, plan, self.prefetch)
