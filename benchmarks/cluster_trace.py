@@ -102,10 +102,8 @@ def install() -> Tracer:
         def traced(self: Any, *a: Any, **kw: Any) -> Any:
             unit = a[unit_arg] if len(a) > unit_arg else None
             uname = getattr(unit, "name", None)
-            if name == "_unpack":  # only a saved-tensor token whose unit must be gathered
-                if not hasattr(unit, "unit") or unit.unit.is_gathered:
-                    return orig(self, *a, **kw)
-                uname = unit.unit.name
+            if name == "_regather_saved" and unit.is_gathered:  # only a unit to gather again
+                return orig(self, *a, **kw)
             tr.mark(ev + ":begin", unit=uname or "<root>")
             try:
                 return orig(self, *a, **kw)
@@ -117,7 +115,7 @@ def install() -> Tracer:
     wrap_method("pre_forward", "pre_forward")
     wrap_method("post_forward", "post_forward")
     wrap_method("post_backward", "post_backward")
-    wrap_method("_unpack", "regather")
+    wrap_method("_regather_saved", "regather")
     wrap_method("_finalize_backward", "finalize", unit_arg=99)
     return tr
 

@@ -163,7 +163,7 @@ def _saved_bytes(model: torch.nn.Module, batch: torch.Tensor, checkpointing: boo
         return t
 
     runtime = model.fullshard_runtime
-    engine_pack = runtime._pack
+    engine_pack = runtime.saved._pack
 
     def counting_pack(t: torch.Tensor) -> Any:
         packed = engine_pack(t)
@@ -171,7 +171,7 @@ def _saved_bytes(model: torch.nn.Module, batch: torch.Tensor, checkpointing: boo
             add(t)
         return packed
 
-    runtime._pack = counting_pack
+    runtime.saved._pack = counting_pack
     handles = []
     if checkpointing:  # non-reentrant checkpointing keeps each block's input in a closure
         handles = [m.register_forward_pre_hook(lambda mod, args: add(args[0]))
@@ -180,7 +180,7 @@ def _saved_bytes(model: torch.nn.Module, batch: torch.Tensor, checkpointing: boo
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = _loss(model, batch)
     finally:
-        runtime._pack = engine_pack
+        runtime.saved._pack = engine_pack
         for h in handles:
             h.remove()
     keep.clear()

@@ -158,6 +158,15 @@ class _Posts:
     def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         self.recvs.append((tensor, peer, tag))
 
+    def swap(self, send: torch.Tensor, rows: torch.Tensor, tag: int) -> None:
+        """`send` to every peer, and a receive of each peer's message into its row of `rows`
+        (peer r's row: r - (r > rank), i.e. the peers in rank order)."""
+        size, rank = self.group.size, self.group.rank
+        for step in range(1, size):
+            dst, src = (rank + step) % size, (rank - step) % size
+            self.send(send, dst, tag)
+            self.recv(rows[src - (src > rank)], src, tag)
+
     def post(self) -> list[Any]:
         works, g = [], self.group
         for t, peer, tag in self.recvs:
@@ -168,14 +177,9 @@ class _Posts:
 
 
 def _swap_with_peers(send: torch.Tensor, rows: torch.Tensor, group: Group, tag: int) -> list[Any]:
-    """Post `send` to every peer, and a receive of each peer's message into its row of `rows`
-    (peer r's row: r - (r > rank), i.e. the peers in rank order); receives first."""
-    size, rank = group.size, group.rank
+    """`_Posts.swap` as an exchange of its own: the posted works, receives first."""
     posts = _Posts(group)
-    for step in range(1, size):
-        dst, src = (rank + step) % size, (rank - step) % size
-        posts.send(send, dst, tag)
-        posts.recv(rows[src - (src > rank)], src, tag)
+    posts.swap(send, rows, tag)
     return posts.post()
 
 
@@ -233,11 +237,7 @@ def all_gather_pairwise(
         return CommHandle(posts.post(), refs=(output, flat_in), header=header)
     send = torch.cat([mine for mine, _ in packed])
     staged = send.new_empty((size - 1, send.numel()))
-    tag = tag_of(seq, ident, len(pieces) + 1)
-    for step in range(1, size):
-        dst, src = (rank + step) % size, (rank - step) % size
-        posts.send(send, dst, tag)
-        posts.recv(staged[src - (src > rank)], src, tag)
+    posts.swap(send, staged, tag_of(seq, ident, len(pieces) + 1))
     works = posts.post()
     sizes = [mine.numel() for mine, _ in packed]
 

@@ -48,17 +48,6 @@ could leave behind:
 - `torch.autograd.grad(loss, params)`: the reductions run synchronously and their local-shard
   results are returned to autograd instead of being written to `.grad`.
 
-[Note: ZeRO-3 and saved tensors]
-Autograd saves the unsharded parameters its backward formulas need (a Linear saves its
-weight). If those references stayed, ZeRO-3 would quietly hold every unit until backward, i.e.
-behave like ZeRO-2 with identical numbers. So while the root runs forward under ZeRO-3 we push
-`saved_tensors_hooks`: a saved tensor whose storage is a gathered bucket buffer is packed as a
-`_SavedParamView` (bucket + offset/size/stride, no data); unpacking it in backward gathers the
-unit again (prefetching the one expected next) and returns the same view of the new buffer.
-This only works because the tensors handed to modules are views of the tracked buffer, never
-copies (see bucket.py). Only the root pushes the hooks: the innermost hooks win and ours
-handle every unit.
-
 [Note: the root stays gathered]
 The root's forward encloses every other unit's, so the root is gathered for the whole forward
 anyway, and its backward (the head, the final norm) runs first. Releasing it after forward
@@ -102,7 +91,7 @@ from __future__ import annotations
 import collections
 import functools
 import sys
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.autograd import Variable
@@ -112,8 +101,8 @@ from fullshard.config import ShardingPlan
 from fullshard.distributed import comm
 from fullshard.distributed.mesh import ShardMesh
 from fullshard.engine.bucket import Bucket, PendingReduction, issue_reductions
-from fullshard.engine.eager import EagerFn
 from fullshard.engine.precision import cast_floating
+from fullshard.engine.saved_params import SavedParams
 from fullshard.engine.unit import BackwardDone, Unit, UnitState
 
 SMALL_UNITS_BYTES = 1 << 20
@@ -127,14 +116,6 @@ packed into one message, and capped by it."""
 def small_units_bytes() -> int:
     """`SMALL_UNITS_BYTES`, within what comm sends as one message (0 when that is off)."""
     return min(SMALL_UNITS_BYTES, max(comm.COALESCE_BYTES, 0))
-
-
-class _SavedParamView(NamedTuple):
-    unit: Unit
-    bucket: Bucket
-    size: torch.Size
-    stride: tuple[int, ...]
-    offset: int
 
 
 def _in_backward() -> bool:
@@ -187,14 +168,11 @@ class Runtime:
         self.callback_task: int | None = None
         self._grad_mode_task = -1  # task for which `_returns_grads` was decided
         self._returns_grads = False  # this task is torch.autograd.grad: return, don't write
-        self._saved_hooks: Any = None
-        self._eager_pack, self._eager_unpack = EagerFn(self._pack_hook), EagerFn(self._unpack_hook)
+        # ZeRO-3: the saved-tensor hooks over gathered buffers (saved_params.py)
+        self.saved = SavedParams(regather=self._regather_saved)
         # id() of the exception being handled when the root forward began (id(None) if
         # none): an id, not a reference, so an OOM-retry loop's exception is not kept alive.
         self._forward_exc = id(None)
-        # data_ptr of a gathered bucket buffer -> (unit, bucket); only for buckets whose
-        # unsharded buffer is not the shard itself (shard-axis size > 1).
-        self._storage_owner: dict[int, tuple[Unit, Bucket]] = {}
 
     @property
     def callback_queued(self) -> bool:
@@ -203,16 +181,12 @@ class Runtime:
     # -- gather / release bookkeeping -------------------------------------------------------
     def _wait(self, unit: Unit) -> None:
         unit.wait_gathered()
-        if self.mesh.shard.size > 1:
-            for b in unit.buckets:
-                assert b.unsharded is not None
-                self._storage_owner[b.unsharded.untyped_storage().data_ptr()] = (unit, b)
+        if self.mesh.shard.size > 1:  # else the unsharded buffer is the shard itself
+            self.saved.track(unit)
 
     def _release(self, unit: Unit) -> None:
         if self.mesh.shard.size > 1:
-            for b in unit.buckets:
-                if b.unsharded is not None:
-                    self._storage_owner.pop(b.unsharded.untyped_storage().data_ptr(), None)
+            self.saved.untrack(unit)
         unit.release()
 
     def _drop_stale(self, unit: Unit) -> None:
@@ -240,10 +214,7 @@ class Runtime:
         else:
             unit.install(self, with_grad=with_grad, pass_id=self.pass_id)
         if unit is self.root and self._wants_saved_tensor_hooks(with_grad, recomputing):
-            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(
-                self._eager_pack.get(), self._eager_unpack.get()
-            )
-            self._saved_hooks.__enter__()
+            self.saved.push()
         dtype = self.input_dtypes.get(unit)
         if dtype is not None:
             args, kwargs = cast_floating((args, kwargs), dtype)
@@ -297,11 +268,8 @@ class Runtime:
         unit.add_partial_grads(grads)
 
     def post_forward(self, unit: Unit, module: torch.nn.Module, args: Any, output: Any) -> None:
-        regathers = False  # ZeRO-3: this pass's backward gathers units again
-        if unit is self.root and self._saved_hooks is not None:
-            hooks, self._saved_hooks = self._saved_hooks, None
-            hooks.__exit__(None, None, None)
-            regathers = True
+        # ZeRO-3 with grad: this pass's backward gathers units again
+        regathers = unit is self.root and self.saved.pop()
         unit.uninstall()
         if unit is self.root and not _in_backward() and id(sys.exc_info()[1]) != self._forward_exc:
             # `always_call`: the forward raised (an exception other than the one being
@@ -410,26 +378,9 @@ class Runtime:
         return small_units_bytes() // (replicate.size - 1)
 
     # -- ZeRO-3 saved tensors ---------------------------------------------------------------
-    # Under torch.compile the hooks run eagerly: dynamo cannot trace storage pointers and
-    # would otherwise try (and recompile) on every tensor autograd saves. They are looked up
-    # at every root forward, disabled once dynamo is imported (eager.py).
-    def _pack_hook(self, t: torch.Tensor) -> Any:
-        return self._pack(t)
-
-    def _unpack_hook(self, saved: Any) -> torch.Tensor:
-        return self._unpack(saved)
-
-    def _pack(self, t: torch.Tensor) -> Any:
-        owner = self._storage_owner.get(t.untyped_storage().data_ptr())
-        if owner is None or t.dtype != owner[1].compute_dtype:
-            return t
-        unit, bucket = owner
-        return _SavedParamView(unit, bucket, t.size(), t.stride(), t.storage_offset())
-
-    def _unpack(self, saved: Any) -> torch.Tensor:
-        if not isinstance(saved, _SavedParamView):
-            return saved
-        unit = saved.unit
+    def _regather_saved(self, unit: Unit) -> None:
+        """A saved tensor of `unit` is being unpacked in backward (saved_params.py): gather
+        the unit again if it is not, prefetching the ones expected next."""
         # Every unpack, not only a gathering one: the root stays gathered into backward, and
         # the outer task's callback must be queued before a reentrant recomputation nests one.
         self._ensure_backward_callback()
@@ -438,9 +389,6 @@ class Runtime:
             pos = self._backward_plan.get(unit, len(self._backward_plan_list))
             self._gather_ahead(unit, self._backward_plan_list, pos, self.backward_prefetch_limit)
             self._wait(unit)
-        buf = saved.bucket.unsharded
-        assert buf is not None
-        return buf.as_strided(saved.size, saved.stride, saved.offset)
 
     def _expected_backward_order(self) -> list[Unit]:
         """The order backward is expected to gather units in: last step's, else the reverse

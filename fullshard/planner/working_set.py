@@ -229,7 +229,10 @@ class _Replay:
                 nbytes += self._exchanged(j)
         if self.state[i] != "sharded" and all(self.state[j] != "sharded" for j in window[:limit]):
             return
-        todo = [j for j in [i, *window] if self.state[j] == "sharded"]
+        self.start_together([j for j in [i, *window] if self.state[j] == "sharded"])
+
+    def start_together(self, todo: list[int]) -> None:
+        """Unit.start_gather_with: the gathers of `todo`, issued at once."""
         buckets = sum(len(self.units[j].buckets) for j in todo)
         together = buckets > 1 and sum(self._exchanged(j) for j in todo) <= self.batch_bytes
         for j in todo:  # comm.all_gather_batch sends small ones as one exchange
@@ -252,10 +255,8 @@ class _Replay:
         plan = backward if self.warm else list(reversed(forward))
         if self.zero3 and self.prefetch > 0:
             # hooks.Runtime._prefetch_backward_start: the root's post-hook starts the first
-            # units backward needs, as one exchange (the engine's note on the turn).
-            ahead = [j for j in plan if self.state[j] == "sharded"][: self.prefetch]
-            for j in ahead:
-                self.start(j, ahead)
+            # units backward needs (the engine's note on the turn from forward to backward).
+            self.start_together([j for j in plan if self.state[j] == "sharded"][: self.prefetch])
         for i in backward:
             if self.zero3 and self.state[i] != "gathered":
                 self.gather_ahead(i, plan, self.prefetch)

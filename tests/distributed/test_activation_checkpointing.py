@@ -182,7 +182,7 @@ def _activation_bytes(strategy: str, checkpointing: bool) -> int:
                            activation_checkpointing_policy={Block} if checkpointing else None)
     counter = _SavedBytes()
     runtime = model.fullshard_runtime
-    engine_pack = runtime._pack
+    engine_pack = runtime.saved._pack
 
     def counting_pack(t: torch.Tensor):
         packed = engine_pack(t)
@@ -190,7 +190,7 @@ def _activation_bytes(strategy: str, checkpointing: bool) -> int:
             counter.add(t)
         return packed
 
-    runtime._pack = counting_pack
+    runtime.saved._pack = counting_pack
     for m in model.modules():
         if isinstance(m, Block) and checkpointing:
             m.register_forward_pre_hook(lambda mod, args: counter.add(args[0]))
