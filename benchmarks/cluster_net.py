@@ -21,6 +21,11 @@ round trip stays the bare veth's (~25 us).
 Two ranks on one host talk over the host's own address, which the kernel routes through its
 loopback: only traffic between hosts crosses (and is shaped on) the links, as on a real cluster.
 
+Failures: `cut(i)` takes host i's switch port down (its `eth0` loses carrier: packets in
+flight and after are dropped, no connection is reset, as when a cable or a switch port dies)
+and `reconnect(i)` brings it back. `subnet=` and `prefix=` let two clusters run side by side
+(tests use their own, so a cluster benchmark running meanwhile is not disturbed).
+
 Creating namespaces needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN): `NetnsUnavailable` says so,
 with the command that failed. Teardown runs on `__exit__` (also after an exception or Ctrl-C)
 and, for a process that dies of SIGTERM/SIGHUP or simply exits, from a signal handler and an
@@ -81,9 +86,15 @@ class EmulatedCluster:
     _handlers_installed = False
 
     def __init__(self, hosts: int, *, rate_mbit: float | None = None,
-                 delay_ms: float | None = None, prefix: str | None = None) -> None:
+                 delay_ms: float | None = None, prefix: str | None = None,
+                 subnet: str = SUBNET) -> None:
         if not isinstance(hosts, int) or not 1 <= hosts <= 250:
             raise ValueError(f"hosts must be an int in [1, 250], got {hosts!r}")
+        parts = subnet.split(".") if isinstance(subnet, str) else []
+        if len(parts) != 3 or not all(x.isdigit() and int(x) < 256 for x in parts):
+            raise ValueError(f"subnet must be the first three octets of a /24 like "
+                             f"'10.77.0', got {subnet!r}")
+        self.subnet = subnet
         if rate_mbit is not None and not rate_mbit > 0:
             raise ValueError(f"rate_mbit must be > 0 or None (unshaped), got {rate_mbit!r}")
         self.hosts = hosts
@@ -96,16 +107,15 @@ class EmulatedCluster:
         self._up = False
 
     # -- addresses -----------------------------------------------------------------------
-    @staticmethod
-    def address(host: int) -> str:
-        return f"{SUBNET}.{host + 1}"
+    def address(self, host: int) -> str:
+        return f"{self.subnet}.{host + 1}"
 
     def describe(self) -> dict[str, Any]:
         return {
             "hosts": self.hosts,
             "topology": "one namespace per host, each with one veth to a bridge in a switch "
                         "namespace",
-            "subnet": f"{SUBNET}.0/24",
+            "subnet": f"{self.subnet}.0/24",
             "addresses": [self.address(i) for i in range(self.hosts)],
             "rate_mbit": self.rate_mbit,
             "shaping": (f"tbf rate {self.rate_mbit}mbit burst {_burst_bytes(self.rate_mbit)}B "
@@ -159,6 +169,15 @@ class EmulatedCluster:
             _run(["ip", "-n", ns, "link", "set", HOST_IF, "up"])
             self._shape(ns, HOST_IF)
             self._shape(self.switch, f"h{i}")
+
+    def cut(self, host: int) -> None:
+        """Take host `host`'s switch port down: it can no longer reach, or be reached by,
+        any other host (its own loopback still works)."""
+        _run(["ip", "-n", self.switch, "link", "set", f"h{host}", "down"])
+
+    def reconnect(self, host: int) -> None:
+        """Undo `cut(host)`."""
+        _run(["ip", "-n", self.switch, "link", "set", f"h{host}", "up"])
 
     def set_rate(self, rate_mbit: float | None) -> None:
         """Reshape every link (both directions) to `rate_mbit`; None removes the shaping."""
