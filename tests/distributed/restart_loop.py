@@ -1,8 +1,10 @@
 """A script that survives a killed rank: run under `fullshard run --max-restarts K`, it saves
 a sharded checkpoint every `--every` steps and, on every (re)start, resumes from the latest
 complete one (`fullshard.api.resume`). `--kill-rank R --kill-step S` SIGKILLs rank R at step S
-of the first attempt only. Rank 0 writes the final full parameters to `--out` (torch.save),
-and `reference()` trains the same thing in one process, unsharded, for comparison.
+of the first attempt only. `--attempts-dir D` has every rank note each attempt it starts
+(`D/attempt<A>-rank<R>`, holding the step it resumes from). Rank 0 writes the final full
+parameters to `--out` (torch.save), and `reference()` trains the same thing in one process,
+unsharded, for comparison.
 
 The global batch of a step is a function of the step alone (rows `step * 4 ...`), split evenly
 over the ranks, so any world size sees the same numbers and a resumed run repeats exactly the
@@ -58,6 +60,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--kill-step", type=int, default=-1)
+    p.add_argument("--attempts-dir", default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
 
@@ -71,6 +74,11 @@ def main() -> None:
         fabric.load(last, state)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     fabric.print(f"attempt {attempt}: world size {fabric.world_size}, from step {state['step']}")
+    if args.attempts_dir:
+        os.makedirs(args.attempts_dir, exist_ok=True)
+        with open(os.path.join(args.attempts_dir, f"attempt{attempt}-rank{fabric.global_rank}"),
+                  "w") as f:
+            f.write(str(state["step"]))
 
     rank, world = fabric.global_rank, fabric.world_size
     rows = GLOBAL_BATCH // world
