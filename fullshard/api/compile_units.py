@@ -21,7 +21,8 @@ user who brings a compiled model gets:
 - Only an instance attribute `forward` is added: names, `state_dict` keys, hooks and the
   unit's class are unchanged. A unit whose `forward` is already an instance attribute
   (fullshard's activation checkpointing, a user's patch) is left to the root's compile: its
-  forward calls into the engine during recomputation, which must not be traced.
+  forward calls into the engine during recomputation, which must not be traced. So is a unit
+  the user compiled already (an `OptimizedModule` block, torchtitan's order).
 
 Compiling *after* wrapping (`torch.compile(fsdp(model))`) is left as torch does it: the root
 alone (what dynamo can of it; see above). `compile_units(model, **kw)` gives such a model the
@@ -94,8 +95,8 @@ def compile_unit_forwards(model: nn.Module, compiler: Compiler) -> list[nn.Modul
     done = []
     for unit in _check_sharded(model).units[1:]:
         module = unit.module
-        if _MARK in module.__dict__ or "forward" in module.__dict__:
-            continue
+        if _MARK in module.__dict__ or "forward" in module.__dict__ or is_compiled(module):
+            continue  # done, an instance forward (see above), or compiled by the user
         # Bound to this module: dynamo guards on its class, not its identity
         # (inline_inbuilt_nn_modules), so blocks of one class share one graph.
         module.__dict__["forward"] = compiler(module.forward)

@@ -242,3 +242,10 @@ def test_inductor_parity(group2: DistributedGroup) -> None:
         assert case["worst"]["loss"] <= 1e-5 and case["graphs_per_step"][0] >= 1
         print("inductor graphs after each step", case["graphs_per_step"],
               "graph breaks", case["graph_breaks"])
+
+
+def test_compile_units_rejects_what_it_cannot_compile() -> None:
+    with pytest.raises(TypeError, match="sharded by fullshard"):
+        compile_units(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="not a torch.compile'd one"):
+        compile_units(torch.compile(nn.Linear(2, 2), backend="eager"))
