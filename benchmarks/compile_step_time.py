@@ -13,7 +13,12 @@ with the model's default units (its blocks), AdamW, `--strategy` (FULL_SHARD) an
 
 - `eager`: `fullshard.fsdp(model)`;
 - `compiled`: `fullshard.fsdp(torch.compile(model, backend=--backend))` (litgpt's order: the
-  compiled model is unwrapped, sharded and compiled again with the same options);
+  compiled model is unwrapped and sharded, each unit's forward compiled in place with the
+  same options and the root compiled again with them: `fullshard.api.compile_units`);
+- `compiled-root-eager`: `fullshard.fsdp(model)`, then `compile_units(model, backend=...)`:
+  the same per-unit compile with the root's own code left eager;
+- `compiled-after`: `torch.compile(fullshard.fsdp(model))`: the root compiled alone (what
+  `compiled` was before per-unit compile, and what a model compiled after wrapping gets);
 - `compiled-units`: each block `torch.compile`d, then sharded (torchtitan's order);
 - `fsdp2-eager` / `fsdp2-compiled`: torch's FSDP2 (`fully_shard` on each block and the root,
   its defaults), then `torch.compile(model)`: FSDP2's hooks are dynamo-disabled too, so it
@@ -48,8 +53,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-VARIANTS = ("eager", "compiled", "compiled-units", "ddp-eager", "ddp-compiled", "fsdp2-eager",
-            "fsdp2-compiled")
+VARIANTS = ("eager", "compiled", "compiled-root-eager", "compiled-after", "compiled-units",
+            "ddp-eager", "ddp-compiled", "fsdp2-eager", "fsdp2-compiled")
 
 
 def _hf_configs() -> dict[str, Any]:
@@ -121,6 +126,12 @@ def _train(variant: str, config: str, strategy: str, bucketing: str, backend: st
     else:
         model = fullshard.fsdp(model, device="cpu", sharding_strategy=strategy,
                                bucketing_strategy=bucketing)
+        if variant == "compiled-root-eager":
+            from fullshard.api.compile_units import compile_units
+
+            compile_units(model, backend=backend)
+        elif variant == "compiled-after":
+            model = torch.compile(model, backend=backend)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     pool = data_pool(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -167,7 +178,8 @@ def _gains(runs: dict[str, list[dict[str, Any]]]) -> dict[str, tuple[Any, Any]]:
     if "ddp-eager" in runs and "ddp-compiled" in runs:
         ddp = [med("ddp-compiled", i) / med("ddp-eager", i) for i in range(reps)]
         out["ddp-compiled"] = (_spread(ddp), None)
-    for variant, base in (("compiled", "eager"), ("compiled-units", "eager"),
+    for variant, base in (("compiled", "eager"), ("compiled-root-eager", "eager"),
+                          ("compiled-after", "eager"), ("compiled-units", "eager"),
                           ("fsdp2-compiled", "fsdp2-eager")):
         if variant in runs and base in runs:
             gain = [med(variant, i) / med(base, i) for i in range(reps)]

@@ -261,8 +261,10 @@ class Fabric:
 
         Returns `module` alone, or `(module, *optimizers)` (plus `scheduler` when given).
         Setting up the same model twice is a `ValueError`. A `torch.compile`d model is
-        always unwrapped, sharded and compiled again the same way (`_reapply_compile` is
-        accepted for Lightning's signature; False changes nothing).
+        always unwrapped, sharded, each unit's forward compiled in place and the root compiled
+        again, all with its options (`fullshard.api.compile_units`: Lightning compiles the
+        wrapper alone, which gains less here); `_reapply_compile` is accepted for Lightning's
+        signature, False changes nothing.
         """
         self._check_not_set_up(module, "setup")
         module, opts, scheduler = self._strategy.setup_module_and_optimizers(
@@ -276,7 +278,8 @@ class Fabric:
 
     def setup_module(self, module: nn.Module, move_to_device: bool = True,
                      _reapply_compile: bool = True) -> nn.Module:
-        """Shard `module`; create the optimizer from its parameters afterwards."""
+        """Shard `module`; create the optimizer from its parameters afterwards (a compiled
+        module as in `setup`)."""
         self._check_not_set_up(module, "setup_module")
         return self._finish_setup(self._strategy.setup_module(module))
 

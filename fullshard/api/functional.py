@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fullshard.api.compiled import unwrap_compiled
+from fullshard.api.compile_units import unwrap_for_units
 from fullshard.api.generation import sync_generation
 from fullshard.config import (
     CPUOffload,
@@ -113,12 +113,14 @@ def fsdp(
 
     After the call, `model.named_parameters()` yields this rank's shards under the original
     names: build the optimizer afterwards. Gradients are averaged over all ranks, as DDP does.
-    A `torch.compile`d model is unwrapped, its original sharded in place, and the result
-    compiled again with the same options (see `fullshard.api.compiled`).
+    A `torch.compile`d model is unwrapped, its original sharded in place, every unit but the
+    root gets its `forward` compiled in place with the same options, and the root is compiled
+    again with them (see `fullshard.api.compile_units`: compiling the root alone gains less).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fsdp() expects an nn.Module, got {type(model).__name__}")
-    model, recompile = unwrap_compiled(model)  # torch.compile'd: shard what it wraps
+    # torch.compile'd: shard what it wraps, then compile each unit and the root again
+    model, recompile = unwrap_for_units(model)
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "fullshard.fsdp() needs torch.distributed to be initialized. Call "

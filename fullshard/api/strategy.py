@@ -39,6 +39,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from fullshard.api import collectives
+from fullshard.api.compile_units import unwrap_for_units
 from fullshard.api.compiled import uncompiled, uncompiled_entries, unwrap_compiled
 from fullshard.api.functional import fsdp
 from fullshard.api.grad_norm import clip_grad_norm
@@ -288,11 +289,14 @@ class FSDPStrategy(RankPlacement):
         return (world // per_node, per_node)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        """Shard `module` in place with this strategy's options and return it (a compiled
-        module: its original, compiled again the same way; see `fullshard.api.compiled`)."""
-        module, recompile = unwrap_compiled(module)
-        if isinstance(module, FullyShardedModule):
-            return recompile(module)
+        """Shard `module` in place with this strategy's options and return it. A compiled
+        module: its original is sharded, each unit but the root compiled in place and the root
+        compiled again, all with its options (`fullshard.api.compile_units`); a module
+        compiled after it was sharded is returned as it is (the root compiled alone)."""
+        if isinstance(uncompiled(module), FullyShardedModule):
+            inner, recompile = unwrap_compiled(module)
+            return recompile(inner)
+        module, recompile = unwrap_for_units(module)
         check_torch_options(self._torch_options, module, self.root_device)
         self.precision_plugin.convert_module(module)
         options: dict[str, Any] = dict(

@@ -1,7 +1,10 @@
 """torch.compile and fullshard compose (2 ranks, TinyGPT with its default units).
 
 - a model compiled *before* `fsdp()` / `FSDPStrategy.setup_module_and_optimizers` (litgpt's
-  order) comes back compiled with the same options around the sharded original;
+  order) comes back compiled with the same options around the sharded original, and each
+  block (unit) has its `forward` compiled in place with them (`api.compile_units`: the order
+  that gains from compile as DDP does; names and state_dict keys unchanged);
+- `compile_units(model)` after wrapping gives the same per-unit compile explicitly;
 - compiling *after* wrapping, and compiling each unit (torchtitan's per-block
   `torch.compile(block)` before sharding, or `block.compile()` after) work too;
 
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fullshard
+from fullshard.api.compile_units import compile_units
 from fullshard.api.compiled import is_compiled, uncompiled
 from fullshard.testing import DistributedGroup
 from fullshard.testing.models import TinyGPT
@@ -73,6 +77,7 @@ def _case(how: str, strategy: str, backend: str) -> dict:
     if how == "before":
         model = fullshard.fsdp(torch.compile(model, backend=backend), **opts)
         assert is_compiled(model) and uncompiled(model).fullshard_runtime is not None
+        _assert_units_compiled(uncompiled(model))
     elif how == "after":
         model = torch.compile(fullshard.fsdp(model, **opts), backend=backend)
     elif how == "per_unit_before":  # torchtitan: compile each block, then shard
@@ -85,6 +90,10 @@ def _case(how: str, strategy: str, backend: str) -> dict:
         model = fullshard.fsdp(model, **opts)
         for block in model.blocks:
             block.compile(backend=backend)
+    elif how == "compile_units":  # the per-unit compile, asked for after wrapping
+        model = compile_units(fullshard.fsdp(model, **opts), backend=backend)
+        assert not is_compiled(model)
+        _assert_units_compiled(model)
     elif how == "strategy":  # optimizer-less setup through FSDPStrategy, as Fabric.setup
         strategy_obj = fullshard.FSDPStrategy(sharding_strategy=strategy,
                                               bucketing_strategy="BLOCK")
@@ -93,6 +102,7 @@ def _case(how: str, strategy: str, backend: str) -> dict:
         model, _, _ = strategy_obj.setup_module_and_optimizers(compiled, [])
         assert is_compiled(model) and model is not compiled
         assert model.dynamo_ctx is compiled.dynamo_ctx  # the same compile options
+        _assert_units_compiled(uncompiled(model))
     else:
         raise ValueError(how)
     graphs_per_step: list[int] = []
@@ -113,6 +123,16 @@ def _case(how: str, strategy: str, backend: str) -> dict:
         _checkpoint_round_trip(strategy_obj, model)
     return {"worst": worst, "graphs_per_step": graphs_per_step, "calls": calls,
             "graph_breaks": {k.split("\n")[0][:80]: v for k, v in counters["graph_break"].items()}}
+
+
+def _assert_units_compiled(model: nn.Module) -> None:
+    """Each block's forward compiled in place (an instance attribute dynamo made), the root's
+    not; the names are the unwrapped model's."""
+    for block in model.blocks:
+        compiled = block.__dict__.get("forward")
+        assert getattr(compiled, "_torchdynamo_orig_callable", None) is not None, compiled
+    assert "forward" not in model.__dict__
+    assert not any("_orig_mod" in n for n, _ in model.named_parameters())
 
 
 def _checkpoint_round_trip(strategy: fullshard.FSDPStrategy, model: nn.Module) -> None:
@@ -160,7 +180,7 @@ def _aot_eager_cases() -> dict:
     out = {"eager_calls": {s: _eager_calls(s) for s in ("FULL_SHARD", "SHARD_GRAD_OP")}}
     for how, strategy in (("before", "FULL_SHARD"), ("after", "SHARD_GRAD_OP"),
                           ("per_unit_before", "FULL_SHARD"), ("per_unit_after", "FULL_SHARD"),
-                          ("strategy", "SHARD_GRAD_OP")):
+                          ("compile_units", "FULL_SHARD"), ("strategy", "SHARD_GRAD_OP")):
         out[how] = _case(how, strategy, "aot_eager")
     return out
 
@@ -174,8 +194,10 @@ def aot_results(group2: DistributedGroup) -> list[dict]:
     return group2.run(_aot_eager_cases, timeout=600)
 
 
-@pytest.mark.parametrize("how", ["before", "after", "per_unit_before", "per_unit_after",
-                                 "strategy"])
+HOWS = ("before", "after", "per_unit_before", "per_unit_after", "compile_units", "strategy")
+
+
+@pytest.mark.parametrize("how", HOWS)
 def test_compiled_parity_and_collectives(aot_results: list[dict], how: str) -> None:
     eager = aot_results[0]["eager_calls"]
     strategy = "SHARD_GRAD_OP" if how in ("after", "strategy") else "FULL_SHARD"
@@ -201,7 +223,7 @@ def test_graph_breaks_only_at_the_hooks(aot_results: list[dict]) -> None:
     # TinyGPT's loop over blocks makes dynamo run the root's frame eagerly and compile each
     # block's forward as its own frame, between its hooks).
     for rank in aot_results:
-        for how in ("before", "after", "per_unit_before", "per_unit_after", "strategy"):
+        for how in HOWS:
             assert rank[how]["graph_breaks"] == {}, (how, rank[how]["graph_breaks"])
 
 
@@ -210,7 +232,7 @@ def test_no_recompilation_once_warm(aot_results: list[dict]) -> None:
     # each step; none of it may be guarded on). Step 1 may compile, step 2 recompile once for
     # the prefetch order recorded on step 1; step 3 compiles nothing.
     for rank in aot_results:
-        for how in ("before", "after", "per_unit_before", "per_unit_after", "strategy"):
+        for how in HOWS:
             graphs = rank[how]["graphs_per_step"]
             assert graphs[-1] == graphs[-2], (how, graphs)
 
@@ -220,3 +242,10 @@ def test_inductor_parity(group2: DistributedGroup) -> None:
         assert case["worst"]["loss"] <= 1e-5 and case["graphs_per_step"][0] >= 1
         print("inductor graphs after each step", case["graphs_per_step"],
               "graph breaks", case["graph_breaks"])
+
+
+def test_compile_units_rejects_what_it_cannot_compile() -> None:
+    with pytest.raises(TypeError, match="sharded by fullshard"):
+        compile_units(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="not a torch.compile'd one"):
+        compile_units(torch.compile(nn.Linear(2, 2), backend="eager"))
