@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from fullshard.launch import failures
+from fullshard.launch import board, failures
 from fullshard.launch.subprocess_script import AGENT_PID_VAR
 
 
@@ -98,8 +98,11 @@ def run_with_torchrun(argv: Sequence[str]) -> int:
         torchrun_main(list(argv))
     except ChildFailedError as e:
         sys.stderr.write(f"{e}\n")
-        sys.stderr.write(f"fullshard run: {_first_failure(e, directory)}; the other ranks were "
-                         f"stopped.\n")
+        remote = _first_failure_on_board(e, argv, directory)
+        said = (f"{remote.describe()} (the first failure, on node {remote.node})"
+                f"{_local_note(e)}"
+                if remote is not None else _first_failure(e, directory))
+        sys.stderr.write(f"fullshard run: {said}; the other ranks were stopped.\n")
         sys.stderr.flush()
         return 1
     except KeyboardInterrupt:
@@ -108,6 +111,48 @@ def run_with_torchrun(argv: Sequence[str]) -> int:
         failures.remove_failure_directory(directory)
     sys.stdout.flush()
     return 0
+
+
+def _option(argv: Sequence[str], name: str) -> str | None:
+    """The value of `--name=value` among the launcher options of `argv` (before the script)."""
+    for arg in argv:
+        if not arg.startswith("--"):
+            return None
+        if arg.startswith(f"{name}="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _first_failure_on_board(error: Any, argv: Sequence[str], directory: str) -> Any | None:
+    """Several nodes: post this node's workers that died without a word on the failure board
+    (`board.py`), and return the board's first failure when it is a real one of another
+    node (a rank of this node that failed first is named by `_first_failure`). With node 0's
+    launcher gone, the board is unreachable: then what this node's ranks learned from it
+    (their records' `first`) is all there is, and `_first_failure` says that."""
+    nnodes, node = int(_option(argv, "--nnodes") or 1), int(_option(argv, "--node-rank") or 0)
+    addr, port = _option(argv, "--master-addr"), _option(argv, "--master-port")
+    if nnodes < 2 or not addr or not port:
+        return None
+    records = failures.read_failures(directory)
+    mute = [r for r, f in error.failures.items()
+            if r not in records and f.exitcode != -signal.SIGTERM]
+    if node != 0 and not mute and any(rec.first for rec in records.values()):
+        return None  # nothing to post, and this node's ranks learned the cause already
+    found = board.launcher_board(addr, int(port), int(_option(argv, "--max-restarts") or 0))
+    if found is None:
+        return None
+    first = board.first_posted(board.publish_for_workers(found, error, node=node))
+    if first is None or first.consequence or first.node == node:
+        return None
+    return first
+
+
+def _local_note(error: Any) -> str:
+    """`; here rank R (local rank L, pid P) exited with code 1`: this node's own failure."""
+    rank, failure = min(error.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    return f"; here rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) " + (
+        f"was killed by signal {failure.signal_name()}" if failure.exitcode < 0
+        else f"exited with code {failure.exitcode}")
 
 
 def _first_failure(error: Any, directory: str) -> str:
@@ -132,6 +177,10 @@ def _first_failure(error: Any, directory: str) -> str:
     elif recorded:
         first = min(recorded, key=lambda rec: rec.time)
         rank, cause = first.rank, f": {first.error}"
+        learned = [rec.first for rec in recorded if rec.first]
+        # it lost a peer of another node, and the board named that peer's failure
+        if learned and (first.first or board.looks_like_lost_peer(first.error)):
+            return f"{learned[0]} (the first failure, on another node){_local_note(error)}"
     else:
         rank, _ = error.get_first_failure()
     failure = error.failures[rank]
