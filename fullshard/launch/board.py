@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 from dataclasses import asdict, dataclass
@@ -41,6 +42,13 @@ CAUSE_WAIT_S = 8.0
 # the consequence of a failure elsewhere, not a cause.
 _LOST_PEER_WORDS = ("connection reset", "connection closed", "broken pipe", "connection refused",
                     "socket closed", "end of file", "connection timed out")
+
+
+def brief(cause: str) -> str:
+    """gloo's lost-peer message cut to its point: `RuntimeError: Read error [10.0.0.2]:4242:
+    Connection reset by peer` (no source path, no advice)."""
+    text = re.sub(r"\[[^\]\s]*\.(cc|cpp|h):\d+\]\s*", "", cause)
+    return text.split(". This is typically")[0]
 
 
 def looks_like_lost_peer(error: str) -> bool:

@@ -15,8 +15,13 @@ store's answers, since a store op to a stopped host can block with no timeout:
 - a store that does not answer for `bound` seconds means its host (rank 0's, or node 0's
   launcher) is silent or cut off;
 - a failing rank says which rank, host and pid went silent, writes a failure record
-  (`failures.py`) and exits with status 1 (`os._exit`: the main thread is blocked in a
-  collective that cannot be interrupted), so the launcher stops the rest.
+  (`failures.py`), posts it on the failure board (`board.py`) and exits with status 1
+  (`os._exit`: the main thread is blocked in a collective that cannot be interrupted), so the
+  launcher stops the rest;
+- where the peers span several nodes, the heartbeat also reads the failure board every
+  second: a real failure posted by another rank (or by its node's launcher, for a rank killed
+  by a signal) stops this rank at once, naming it, so a rank stuck in a collective with a dead
+  peer does not wait for the silence bound.
 
 Only counters that have moved are judged: a rank that has not started its heartbeat yet (it
 is still loading data before its first `fsdp()`) is not called silent. At a normal end a rank

@@ -17,6 +17,9 @@ the 30-minute collective timeout):
   launcher too (`_die_with_agent`);
 - every rank runs a heartbeat (`silence.py`): a rank that stops answering without dying
   (SIGSTOP, a cut link) makes the others fail within a bound, naming it;
+- a rank that fails posts its failure on the failure board (`board.py`); across nodes, a
+  rank that merely lost its connection to a dead peer waits a moment for the board to name
+  the cause, and says it;
 - at a normal end rank 0 waits for its children and exits non-zero if any of them failed.
 """
 
@@ -85,7 +88,7 @@ def install_rank_hooks(global_rank: int, local_rank: int) -> None:
         _FAILED = True
         first = None
         if exc_type is not KeyboardInterrupt:  # first, before the slow traceback printing
-            cause = short(exc)
+            cause = board.brief(short(exc))
             board.post_own_failure(global_rank, local_rank, "raised", cause)
             if board.spans_nodes() and board.looks_like_lost_peer(cause):
                 # A consequence: wait a moment for the board to name the cause (a rank of
@@ -101,7 +104,7 @@ def install_rank_hooks(global_rank: int, local_rank: int) -> None:
             after = f", after {first.describe()} (the first failure)" if first else ""
             _say(
                 f"rank {global_rank} (local rank {local_rank}, pid {os.getpid()}) failed with "
-                f"{short(exc)}{after}"
+                f"{board.brief(short(exc))}{after}"
             )
 
     sys.excepthook = hook

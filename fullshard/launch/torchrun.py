@@ -11,7 +11,9 @@ a second, and a short shutdown timeout so a stuck worker is killed within second
 One node: `--standalone` (a rendezvous on a free local port) unless a master port is given.
 Several nodes: the static rendezvous at `--master-addr:--master-port`, one invocation per node
 with its `--node-rank`. The rank named as the first failure is this node's earliest recorded
-one (`fullshard.launch.failures`).
+one (`fullshard.launch.failures`); on several nodes, the first real failure on the failure
+board (`fullshard.launch.board`) when it is another node's: each launcher posts there the
+workers that died without a word (a signal), the workers post their own exceptions.
 
 Restarts (`--max-restarts K`). torchelastic lets the workers share its rendezvous store and
 keeps that store across attempts, so the process group of attempt 2 finds attempt 1's keys
@@ -31,7 +33,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -85,9 +87,21 @@ def torchrun_argv(
     return [*argv, script, *script_args]
 
 
-def run_with_torchrun(argv: Sequence[str]) -> int:
+def run_with_torchrun(argv: Sequence[str], *, env: Mapping[str, str] | None = None) -> int:
     """Run `torch.distributed.run` with `argv` in this process; 0 on success, else 1 (torch
-    has printed which rank failed and how, and we name the one that failed first)."""
+    has printed which rank failed and how, and we name the one that failed first). `env`:
+    more variables for the workers. This process's environment is as before afterwards
+    (torchrun and we set variables for the workers that would leak into a later run)."""
+    saved = dict(os.environ)
+    try:
+        os.environ.update(env or {})
+        return _run(argv)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _run(argv: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
