@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -127,6 +128,10 @@ def _run(argv: Sequence[str]) -> int:
     return 0
 
 
+# How long a launcher whose ranks only lost a peer waits for the board to name the cause.
+_BOARD_WAIT_S = 5.0
+
+
 def _option(argv: Sequence[str], name: str) -> str | None:
     """The value of `--name=value` among the launcher options of `argv` (before the script)."""
     for arg in argv:
@@ -156,6 +161,13 @@ def _first_failure_on_board(error: Any, argv: Sequence[str], directory: str) -> 
     if found is None:
         return None
     first = board.first_posted(board.publish_for_workers(found, error, node=node))
+    deadline = time.monotonic() + _BOARD_WAIT_S
+    while (first is None or first.consequence) and time.monotonic() < deadline:
+        time.sleep(0.2)  # the cause's launcher may not have posted yet
+        try:
+            first = board.first_posted(found.read())
+        except Exception:  # noqa: BLE001 - node 0's store is gone
+            break
     if first is None or first.consequence or first.node == node:
         return None
     return first
