@@ -68,6 +68,7 @@ def _launch(tmp_path: Path, *, nnodes: int, nproc: int, kill_rank: int,
     # communicate() returns in node order: a node's end time is only an upper bound when an
     # earlier node took longer, which makes the check stricter, never looser.
     elapsed = max(ends) - killed
+    print(f"nodes ended {', '.join(f'{e - killed:.1f}' for e in ends)} s after the death")
     assert elapsed < _ENDS_WITHIN_S, f"the last node ended {elapsed:.1f}s after the death\n{log}"
     workers = [int(p.read_text()) for p in pids.glob("rank*.pid")]
     assert len(workers) == nnodes * nproc, log
