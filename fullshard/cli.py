@@ -162,11 +162,12 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not args.module and not os.path.exists(args.script):
         parser.error(f"the script {args.script!r} does not exist (from {os.getcwd()}); give a "
                      f"path to a Python file, or -m and a module name")
+    env = {}
     if args.silence_timeout is not None:  # the workers read it (fullshard.launch.silence)
         from fullshard.launch.silence import SILENCE_VAR
 
-        os.environ[SILENCE_VAR] = f"{args.silence_timeout:g}"
-    return run_with_torchrun(argv)
+        env[SILENCE_VAR] = f"{args.silence_timeout:g}"
+    return run_with_torchrun(argv, env=env)
 
 
 _CONSOLIDATE_EPILOG = """\

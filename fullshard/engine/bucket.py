@@ -239,6 +239,15 @@ class Bucket:
         assert buf is not None, "bucket is not gathered"
         return [buf[start:stop].view(shape) for start, stop, shape in self._view_spans]
 
+    def abandon_gather(self) -> None:
+        """Set aside a gather in flight that cannot complete (a peer is gone), unwaited: its
+        handle and output buffer stay referenced for the rest of the process (`_ABANDONED`),
+        so the comm thread never writes into freed memory; the process group is broken and
+        the process on its way out. A later `release` then has nothing to wait for."""
+        if self._gather_handle is not None:
+            _ABANDONED.append((self._gather_handle, self._gather_out))
+            self._gather_handle = self._gather_out = None
+
     def release(self) -> None:
         """Drop the unsharded buffer (waiting for a gather still in flight first)."""
         if self._gather_handle is not None:
@@ -360,6 +369,10 @@ class Bucket:
         """Parameter i's real local rows inside `flat` (a flat shard-sized tensor)."""
         start, stop, shape = self._local_spans[i]
         return flat[start:stop].view(shape)
+
+
+# Gathers set aside by `Bucket.abandon_gather`: (handle, output), never freed.
+_ABANDONED: list[tuple[CommHandle, torch.Tensor | None]] = []
 
 
 def start_gathers(buckets: Sequence[Bucket], *, async_op: bool) -> None:

@@ -39,7 +39,7 @@ could leave behind:
   pending reductions (all ranks issued them), drops partial and no_sync gradients, releases
   every unit. A backward of another task queues its own callback.
 - a forward that raised (post-hooks run with `always_call`) releases every unit and waits
-  for the prefetches in flight (`_forward_failed`).
+  for the prefetches in flight, or sets them aside once a wait fails (`_forward_failed`).
 - `requires_grad` is read at every root forward (Unit.refresh_requires_grad).
 - `zero_grad` drops a no_sync window: the model's directly (module.py), the optimizer's is
   seen through the `.grad` tensors the window marked (Bucket.accumulation_abandoned).
@@ -290,11 +290,21 @@ class Runtime:
             self._release(unit)
 
     def _forward_failed(self) -> None:
-        """Release every unit (waiting for prefetches in flight) after a forward raised: no
-        backward will come for them. The partial order is not kept for prefetching."""
+        """Release every unit after a forward raised: no backward will come for them (the
+        partial order is not kept). Prefetches in flight are waited for, but once a wait fails
+        (a peer died) the rest are set aside unwaited (`Bucket.abandon_gather`): a broken group
+        can only raise again or block, and that would hide the forward's own error."""
         self._forward_exc = id(None)
+        broken = False
         for u in self.units:
             u.uninstall()
+            try:
+                if not broken:
+                    self._release(u)
+                    continue
+            except Exception:  # noqa: BLE001 - the forward's error is the one to see
+                broken = True
+            u.abandon_gathers()
             self._release(u)
         self.forward_order = []
 

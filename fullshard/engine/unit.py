@@ -222,6 +222,11 @@ class Unit:
         for b in self.buckets:
             b.release()
 
+    def abandon_gathers(self) -> None:
+        """Set aside the gathers in flight unwaited (a peer is gone: Bucket.abandon_gather)."""
+        for b in self.buckets:
+            b.abandon_gather()
+
     @property
     def trainable_buckets(self) -> list[Bucket]:
         return [b for b, _ in self.routing]

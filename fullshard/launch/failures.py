@@ -37,15 +37,18 @@ class FailureRecord:
     pid: int
     time: float
     error: str
+    first: str = ""
+    """When this rank failed because it lost a peer: the failure of another node's rank that
+    the board (`board.py`) names as the first, described; else empty."""
 
 
-def record_failure(rank: int, local_rank: int, error: str) -> None:
+def record_failure(rank: int, local_rank: int, error: str, *, first: str = "") -> None:
     """Record this rank's failure if a launcher asked for records. Never raises."""
     directory = os.environ.get(FAILURE_DIR_VAR)
     if not directory:
         return
     record = {"rank": rank, "local_rank": local_rank, "pid": os.getpid(),
-              "time": time.time(), "error": error}
+              "time": time.time(), "error": error, "first": first}
     path = os.path.join(directory, f"rank-{rank}.json")
     try:  # write then rename, so a reader never sees half a record
         with open(f"{path}.{os.getpid()}.tmp", "w") as f:

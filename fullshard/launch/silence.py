@@ -15,8 +15,13 @@ store's answers, since a store op to a stopped host can block with no timeout:
 - a store that does not answer for `bound` seconds means its host (rank 0's, or node 0's
   launcher) is silent or cut off;
 - a failing rank says which rank, host and pid went silent, writes a failure record
-  (`failures.py`) and exits with status 1 (`os._exit`: the main thread is blocked in a
-  collective that cannot be interrupted), so the launcher stops the rest.
+  (`failures.py`), posts it on the failure board (`board.py`) and exits with status 1
+  (`os._exit`: the main thread is blocked in a collective that cannot be interrupted), so the
+  launcher stops the rest;
+- where the peers span several nodes, the heartbeat also reads the failure board every
+  second: a real failure posted by another rank (or by its node's launcher, for a rank killed
+  by a signal) stops this rank at once, naming it, so a rank stuck in a collective with a dead
+  peer does not wait for the silence bound.
 
 Only counters that have moved are judged: a rank that has not started its heartbeat yet (it
 is still loading data before its first `fsdp()`) is not called silent. At a normal end a rank
@@ -41,11 +46,12 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from fullshard.launch import failures
+from fullshard.launch import board, failures
 
 SILENCE_VAR = "FULLSHARD_SILENCE_TIMEOUT"
 DEFAULT_SILENCE_S = 60.0
 _PREFIX = "fullshard/heartbeat/"
+_BOARD_TICK_S = 1.0  # how often the failure board is read
 
 
 def silence_timeout() -> float:
@@ -93,6 +99,9 @@ class _Heartbeat:
             _HeartbeatThread(target=self._judge, daemon=True, name="fullshard-heartbeat-judge"),
         ]
         self._seen: dict[int, tuple[int, float]] = {}  # peer -> (counter, when it moved)
+        # Its own connection to the failure board, read only where peers are on other nodes.
+        self.board = board.Board.of_process_group() if board.spans_nodes() else None
+        self._consequence_seen: float | None = None
 
     def _watched(self) -> list[int]:
         return [r for r in range(self.world) if r != self.rank] if self.rank == 0 else [0]
@@ -104,13 +113,22 @@ class _Heartbeat:
             return f"rank {rank}"
 
     def _loop(self) -> None:
-        """The store traffic: beat, read the watched counters, post or read a verdict."""
+        """The store traffic: beat, read the watched counters, post or read a verdict; every
+        `_BOARD_TICK_S`, read the failure board (`board.py`)."""
         try:
             self.store.set(f"who/{self.rank}", f"rank {self.rank} (host {socket.gethostname()}, "
                                                f"pid {os.getpid()})")
         except Exception:  # noqa: BLE001 - the judge below times the store
             pass
-        while not self.stopped.wait(self.interval):
+        tick = min(self.interval, _BOARD_TICK_S) if self.board is not None else self.interval
+        next_beat = time.monotonic() + self.interval
+        while not self.stopped.wait(tick):
+            posted = self._board_verdict()
+            if posted is not None and not self.stopped.is_set():
+                self._fail_after(posted)
+            if time.monotonic() < next_beat:
+                continue
+            next_beat = time.monotonic() + self.interval
             try:
                 self.store.add(f"beat/{self.rank}", 1)
                 verdict = self._check()
@@ -122,6 +140,33 @@ class _Heartbeat:
                 continue  # no answer in time: the judge decides when that is silence
             if verdict and not self.stopped.is_set():
                 self._fail(verdict)
+
+    def _board_verdict(self) -> board.Posted | None:
+        """Another rank's failure to stop for: a real one at once; when only consequences (a
+        lost peer) are posted, the first of them after `board.CAUSE_WAIT_S`, the time its
+        cause gets to be posted. None while this rank is failing itself (its excepthook
+        reports) or nothing is posted."""
+        if self.board is None or board.own_failure_posted():
+            return None
+        try:
+            first = board.first_posted(self.board.read(), besides=self.rank)
+        except Exception:  # noqa: BLE001 - the board's store is gone: the heartbeat decides
+            return None
+        if first is None or not first.consequence:
+            return first
+        now = time.monotonic()
+        if self._consequence_seen is None:
+            self._consequence_seen = now
+        return first if now - self._consequence_seen >= board.CAUSE_WAIT_S else None
+
+    def _fail_after(self, first: board.Posted) -> None:
+        from fullshard.launch.subprocess_script import _say
+
+        said = first.describe()
+        failures.record_failure(self.rank, self.local_rank, f"PeerFailed: {said}", first=said)
+        board.post_own_failure(self.rank, self.local_rank, "stopped", f"PeerFailed: {said}")
+        _say(f"rank {self.rank} is stopping the job: {said} (the first failure)")
+        os._exit(1)
 
     def _judge(self) -> None:
         """A store op can block with no timeout of its own when the store's host is stopped or
@@ -164,6 +209,7 @@ class _Heartbeat:
 
         message = f"rank {self.rank} is stopping the job: {verdict}"
         failures.record_failure(self.rank, self.local_rank, f"SilentRank: {verdict}")
+        board.post_own_failure(self.rank, self.local_rank, "stopped", f"SilentRank: {verdict}")
         _say(message)
         os._exit(1)
 

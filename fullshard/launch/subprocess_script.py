@@ -17,6 +17,9 @@ the 30-minute collective timeout):
   launcher too (`_die_with_agent`);
 - every rank runs a heartbeat (`silence.py`): a rank that stops answering without dying
   (SIGSTOP, a cut link) makes the others fail within a bound, naming it;
+- a rank that fails posts its failure on the failure board (`board.py`); across nodes, a
+  rank that merely lost its connection to a dead peer waits a moment for the board to name
+  the cause, and says it;
 - at a normal end rank 0 waits for its children and exits non-zero if any of them failed.
 """
 
@@ -33,7 +36,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from fullshard.distributed.environment import ClusterEnvironment
-from fullshard.launch import failures
+from fullshard.launch import board, failures
 from fullshard.launch.silence import start_heartbeat
 
 _PARENT_PID_VAR = "FULLSHARD_LAUNCHER_PID"
@@ -83,16 +86,25 @@ def install_rank_hooks(global_rank: int, local_rank: int) -> None:
     def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
         global _FAILED
         _FAILED = True
+        first = None
         if exc_type is not KeyboardInterrupt:  # first, before the slow traceback printing
+            cause = board.brief(short(exc))
+            board.post_own_failure(global_rank, local_rank, "raised", cause)
+            if board.spans_nodes() and board.looks_like_lost_peer(cause):
+                # A consequence: wait a moment for the board to name the cause (a rank of
+                # another node, posted by itself or, killed by a signal, by its launcher).
+                first = board.wait_for_cause(global_rank)
             if _launcher_gone():  # nobody will read a record: leave no directory behind
                 failures.remove_failure_directory(os.environ.get(failures.FAILURE_DIR_VAR))
             else:
-                failures.record_failure(global_rank, local_rank, short(exc))
+                failures.record_failure(global_rank, local_rank, cause,
+                                        first=first.describe() if first else "")
         previous(exc_type, exc, tb)
         if exc_type is not KeyboardInterrupt and not _LAUNCHING_PARENT:
+            after = f", after {first.describe()} (the first failure)" if first else ""
             _say(
                 f"rank {global_rank} (local rank {local_rank}, pid {os.getpid()}) failed with "
-                f"{short(exc)}"
+                f"{board.brief(short(exc))}{after}"
             )
 
     sys.excepthook = hook
@@ -104,6 +116,7 @@ def install_rank_hooks(global_rank: int, local_rank: int) -> None:
     agent = os.environ.get(AGENT_PID_VAR)
     if agent and agent.isdigit() and int(agent) == os.getppid():
         _die_with_agent(int(agent), global_rank)
+    board.open_board()
     start_heartbeat(global_rank, local_rank)
 
 

@@ -11,7 +11,9 @@ a second, and a short shutdown timeout so a stuck worker is killed within second
 One node: `--standalone` (a rendezvous on a free local port) unless a master port is given.
 Several nodes: the static rendezvous at `--master-addr:--master-port`, one invocation per node
 with its `--node-rank`. The rank named as the first failure is this node's earliest recorded
-one (`fullshard.launch.failures`).
+one (`fullshard.launch.failures`); on several nodes, the first real failure on the failure
+board (`fullshard.launch.board`) when it is another node's: each launcher posts there the
+workers that died without a word (a signal), the workers post their own exceptions.
 
 Restarts (`--max-restarts K`). torchelastic lets the workers share its rendezvous store and
 keeps that store across attempts, so the process group of attempt 2 finds attempt 1's keys
@@ -31,11 +33,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-from fullshard.launch import failures
+from fullshard.launch import board, failures
 from fullshard.launch.subprocess_script import AGENT_PID_VAR
 
 
@@ -85,9 +88,21 @@ def torchrun_argv(
     return [*argv, script, *script_args]
 
 
-def run_with_torchrun(argv: Sequence[str]) -> int:
+def run_with_torchrun(argv: Sequence[str], *, env: Mapping[str, str] | None = None) -> int:
     """Run `torch.distributed.run` with `argv` in this process; 0 on success, else 1 (torch
-    has printed which rank failed and how, and we name the one that failed first)."""
+    has printed which rank failed and how, and we name the one that failed first). `env`:
+    more variables for the workers. This process's environment is as before afterwards
+    (torchrun and we set variables for the workers that would leak into a later run)."""
+    saved = dict(os.environ)
+    try:
+        os.environ.update(env or {})
+        return _run(argv)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _run(argv: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
@@ -98,8 +113,11 @@ def run_with_torchrun(argv: Sequence[str]) -> int:
         torchrun_main(list(argv))
     except ChildFailedError as e:
         sys.stderr.write(f"{e}\n")
-        sys.stderr.write(f"fullshard run: {_first_failure(e, directory)}; the other ranks were "
-                         f"stopped.\n")
+        remote = _first_failure_on_board(e, argv, directory)
+        said = (f"{remote.describe()} (the first failure, on node {remote.node})"
+                f"{_local_note(e)}"
+                if remote is not None else _first_failure(e, directory))
+        sys.stderr.write(f"fullshard run: {said}; the other ranks were stopped.\n")
         sys.stderr.flush()
         return 1
     except KeyboardInterrupt:
@@ -108,6 +126,59 @@ def run_with_torchrun(argv: Sequence[str]) -> int:
         failures.remove_failure_directory(directory)
     sys.stdout.flush()
     return 0
+
+
+# How long a launcher whose ranks only lost a peer waits for the board to name the cause.
+_BOARD_WAIT_S = 5.0
+
+
+def _option(argv: Sequence[str], name: str) -> str | None:
+    """The value of `--name=value` among the launcher options of `argv` (before the script)."""
+    for arg in argv:
+        if not arg.startswith("--"):
+            return None
+        if arg.startswith(f"{name}="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _first_failure_on_board(error: Any, argv: Sequence[str], directory: str) -> Any | None:
+    """Several nodes: post this node's workers that died without a word on the failure board
+    (`board.py`), and return the board's first failure when it is a real one of another
+    node (a rank of this node that failed first is named by `_first_failure`). With node 0's
+    launcher gone, the board is unreachable: then what this node's ranks learned from it
+    (their records' `first`) is all there is, and `_first_failure` says that."""
+    nnodes, node = int(_option(argv, "--nnodes") or 1), int(_option(argv, "--node-rank") or 0)
+    addr, port = _option(argv, "--master-addr"), _option(argv, "--master-port")
+    if nnodes < 2 or not addr or not port:
+        return None
+    records = failures.read_failures(directory)
+    mute = [r for r, f in error.failures.items()
+            if r not in records and f.exitcode != -signal.SIGTERM]
+    if node != 0 and not mute and any(rec.first for rec in records.values()):
+        return None  # nothing to post, and this node's ranks learned the cause already
+    found = board.launcher_board(addr, int(port), int(_option(argv, "--max-restarts") or 0))
+    if found is None:
+        return None
+    first = board.first_posted(board.publish_for_workers(found, error, node=node))
+    deadline = time.monotonic() + _BOARD_WAIT_S
+    while (first is None or first.consequence) and time.monotonic() < deadline:
+        time.sleep(0.2)  # the cause's launcher may not have posted yet
+        try:
+            first = board.first_posted(found.read())
+        except Exception:  # noqa: BLE001 - node 0's store is gone
+            break
+    if first is None or first.consequence or first.node == node:
+        return None
+    return first
+
+
+def _local_note(error: Any) -> str:
+    """`; here rank R (local rank L, pid P) exited with code 1`: this node's own failure."""
+    rank, failure = min(error.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    return f"; here rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) " + (
+        f"was killed by signal {failure.signal_name()}" if failure.exitcode < 0
+        else f"exited with code {failure.exitcode}")
 
 
 def _first_failure(error: Any, directory: str) -> str:
@@ -132,6 +203,10 @@ def _first_failure(error: Any, directory: str) -> str:
     elif recorded:
         first = min(recorded, key=lambda rec: rec.time)
         rank, cause = first.rank, f": {first.error}"
+        learned = [rec.first for rec in recorded if rec.first]
+        # it lost a peer of another node, and the board named that peer's failure
+        if learned and (first.first or board.looks_like_lost_peer(first.error)):
+            return f"{learned[0]} (the first failure, on another node){_local_note(error)}"
     else:
         rank, _ = error.get_first_failure()
     failure = error.failures[rank]
