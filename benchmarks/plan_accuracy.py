@@ -70,9 +70,10 @@ def time_run(configs: list[tuple[str, str]], steps: int, warmup: int) -> dict:
     torch.set_num_threads(1)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     out: dict = {"runs": []}
+    after = measure_ranks()  # each measurement is the one after a run and before the next
     for config, strategy in configs:
         load = os.getloadavg()
-        before = measure_ranks()
+        before = after
         factory, seq, global_batch, block = _model_factory(config)
         per_rank = -(-global_batch // world)
         torch.manual_seed(0)
@@ -93,9 +94,10 @@ def time_run(configs: list[tuple[str, str]], steps: int, warmup: int) -> dict:
             opt.zero_grad()
             times.append(time.perf_counter() - t0)
         del model, opt
+        after = measure_ranks()
         out["runs"].append({"config": config, "strategy": strategy, "per_rank": per_rank,
                             "seq": seq, "steps": times[warmup:], "load": load,
-                            "hardware": [before, measure_ranks()]})
+                            "hardware": [before, after]})
     return out
 
 

@@ -14,6 +14,9 @@ Fields (SI units: FLOP/s, bytes/s, seconds, bytes):
     param_overhead    fixed seconds per parameter of a unit per pass (the engine's work per
                       parameter: views installed and removed, gradients handed out; 0 in
                       the presets, measured by `--hardware local`)
+    regather_overhead, regather_param_overhead  the same for ZeRO-3's second gather of a unit
+                      in backward (per unit, per parameter): the engine's work beyond
+                      ZeRO-2's (measured by `--hardware local`, 0 in the presets)
     memory            device memory (the default budget)
     intra_bw, intra_latency  per-GPU bandwidth (one direction) and per-step latency of the
                       links inside a node (NVLink, PCIe, or loopback; on gloo the latency is
@@ -66,6 +69,8 @@ class Hardware:
     op_overhead: float = 0.0
     unit_overhead: float = 0.0
     param_overhead: float = 0.0
+    regather_overhead: float = 0.0
+    regather_param_overhead: float = 0.0
     overlap: float = 1.0
     backend: str = "nccl"
     host_bw: float = 25e9

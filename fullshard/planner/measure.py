@@ -24,10 +24,12 @@ and between the ranks (the engine's own collectives, gloo loopback):
     intra_bw        bytes/s of an all-gather of 4 MiB per rank (each rank sends its piece to
                     each peer), less that latency
     unit_overhead, param_overhead   the engine's fixed cost per unit and per parameter and
-                    pass: FULL_SHARD models of 16 tiny units of 1 and of 6 Linear(8, 8)
+                    pass: SHARD_GRAD_OP models of 16 tiny units of 1 and of 6 Linear(8, 8)
                     against the same models unwrapped, per unit and pass (the difference per
                     parameter), less the exchanges' latency the time model charges those
                     units separately
+    regather_overhead, regather_param_overhead   the same for what FULL_SHARD adds to that
+                    (ZeRO-3's second gather in backward), per unit and per parameter
 
 All ranks share one node (`ranks_per_node` = 64), and `overlap` = 0.5: gloo's threads run on
 the same cores as compute, so communication hidden behind compute still costs about half its
@@ -161,21 +163,26 @@ def measure_link() -> dict[str, float]:
 
     # The engine's fixed costs: 16 tiny units of k Linear(8, 8) each (2k parameters), wrapped
     # against unwrapped, per unit and pass; k = 1 and 6 separate the cost per unit from the
-    # cost per parameter.
-    per_pass = {k: _engine_seconds(k) for k in (1, 6)}
-    per_param = max(per_pass[6] - per_pass[1], 0.0) / (12 - 2)
-    # What timing.unit_times charges these units for their exchanges: 3 per unit (a gather
-    # each pass, a reduce-scatter) over 2 passes, each a share of one exchange's latency
-    # (small units travel together).
+    # cost per parameter, SHARD_GRAD_OP and FULL_SHARD ZeRO-3's second gather in backward.
+    z2 = {k: _engine_seconds(k, "SHARD_GRAD_OP") for k in (1, 6)}
+    z3 = {k: _engine_seconds(k, "FULL_SHARD") for k in (1, 6)}
+    # What timing.unit_times charges these units for their exchanges: a share of one
+    # exchange's latency each (small units travel together); ZeRO-2 has 2 per unit (a gather,
+    # a reduce-scatter) over 2 passes, ZeRO-3 one more gather.
     unit_bytes = 4 * 9 * -(-8 // n)  # Linear(8, 8)'s weight rows and bias, per rank
     share = 1.0 / max(1, small_units_bytes() // unit_bytes) if small_units_bytes() else 1.0
-    per_unit = per_pass[1] - 2 * per_param - 1.5 * share * latency
-    return {"latency": latency, "bandwidth": bandwidth, "unit_overhead": max(per_unit, 0.0),
-            "param_overhead": per_param}
+    per_param = max(z2[6] - z2[1], 0.0) / (12 - 2)
+    per_unit = max(z2[1] - 2 * per_param - share * latency, 0.0)
+    extra = {k: 2 * (z3[k] - z2[k]) for k in (1, 6)}  # per unit, once (in backward)
+    regather_param = max(extra[6] - extra[1], 0.0) / (12 - 2)
+    regather = max(extra[1] - 2 * regather_param - share * latency, 0.0)
+    return {"latency": latency, "bandwidth": bandwidth, "unit_overhead": per_unit,
+            "param_overhead": per_param, "regather_overhead": regather,
+            "regather_param_overhead": regather_param}
 
 
-def _engine_seconds(linears: int) -> float:
-    """Seconds per unit and pass that FULL_SHARD adds to 16 units of `linears` Linear(8, 8)."""
+def _engine_seconds(linears: int, strategy: str) -> float:
+    """Seconds per unit and pass that `strategy` adds to 16 units of `linears` Linear(8, 8)."""
     from torch import nn
 
     from fullshard.api.functional import fsdp
@@ -187,7 +194,7 @@ def _engine_seconds(linears: int) -> float:
 
     x = torch.randn(2, 8)
     plain = blocks()
-    wrapped = fsdp(blocks(), sharding_strategy="FULL_SHARD",
+    wrapped = fsdp(blocks(), sharding_strategy=strategy,
                    auto_wrap_policy={nn.Sequential}, bucketing_strategy="BLOCK", device="cpu")
     for m in (plain, wrapped):
         m(x).sum().backward()
@@ -203,7 +210,7 @@ def measure_ranks() -> dict[str, dict[str, float]]:
 
 _WORST = {"flops": min, "mem_bandwidth": min, "op_overhead": max, "optimizer_tensor_s": max,
           "optimizer_byte_s": max, "latency": max, "bandwidth": min, "unit_overhead": max,
-          "param_overhead": max}
+          "param_overhead": max, "regather_overhead": max, "regather_param_overhead": max}
 
 
 def worst_of(results: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
@@ -232,7 +239,9 @@ def measure_local(*, link: dict[str, float] | None = None,
         matmul_efficiency=1.0, mem_bandwidth=compute["mem_bandwidth"], mem_efficiency=1.0,
         memory=_host_memory(), intra_bw=bandwidth, intra_latency=latency, inter_bw=bandwidth,
         inter_latency=latency, ranks_per_node=64, op_overhead=compute["op_overhead"],
-        unit_overhead=unit, param_overhead=link.get("param_overhead", 0.0), overlap=0.5,
+        unit_overhead=unit, param_overhead=link.get("param_overhead", 0.0),
+        regather_overhead=link.get("regather_overhead", 0.0),
+        regather_param_overhead=link.get("regather_param_overhead", 0.0), overlap=0.5,
         backend="gloo", host_bw=compute["mem_bandwidth"],
         host_mem_bandwidth=compute["mem_bandwidth"],
         optimizer_tensor_s=compute.get("optimizer_tensor_s", 0.0),

@@ -8,6 +8,8 @@ Compute, per unit and pass, from the forward profile (`profile.py`, scaled to th
               the input's gradient, one for the weight's), + unit_overhead
               + params * param_overhead
     recompute one more forward in backward for a checkpointed unit
+    regather  ZeRO-3 only, in backward: the engine's work to gather the unit again,
+              regather_overhead + params * regather_param_overhead
 
 Communication, per bucket and collective. NCCL: an alpha-beta model of a ring over `n` ranks:
 
@@ -87,6 +89,8 @@ class UnitTimes:
     """One all-gather of the unit (0 when nothing is sharded)."""
     reduce: float
     """Its gradient reduction: reduce-scatter, HYBRID/NO_SHARD all-reduce, offload copy."""
+    regather: float = 0.0
+    """Compute-side cost of ZeRO-3's second gather in backward (the engine's own work)."""
 
 
 @dataclass(frozen=True)
@@ -177,8 +181,9 @@ def unit_times(
             break
         rate = hardware.flops_rate(compute_dtype)
         work = prof.flops * scale / rate + prof.moved_bytes * scale / mem
-        fixed = hardware.unit_overhead + hardware.param_overhead * sum(
-            len(b.shapes) for b in unit.buckets)  # the engine's own work per pass
+        params = sum(len(b.shapes) for b in unit.buckets)
+        fixed = hardware.unit_overhead + hardware.param_overhead * params  # the engine's own
+        regather = hardware.regather_overhead + hardware.regather_param_overhead * params
         fwd = work + prof.ops * hardware.op_overhead + fixed
         bwd = 2 * work + 2 * prof.ops * hardware.op_overhead + fixed
         # Small units share an exchange (module docstring): the fraction of alpha each pays.
@@ -219,7 +224,8 @@ def unit_times(
         # ZeRO-3's second gather copies again in backward; not counted (one pass over L).
         fwd += gather_copy
         bwd += reduce_sum
-        out.append(UnitTimes(fwd, bwd, fwd if i in checkpointed else 0.0, gather, reduce))
+        out.append(UnitTimes(fwd, bwd, fwd if i in checkpointed else 0.0, gather, reduce,
+                             regather if shard > 1 else 0.0))
     return out
 
 
@@ -336,7 +342,7 @@ def simulate_step(
             wait(i)
             if i == 0:
                 continue  # the root's backward finishes last, below
-            work = times[i].backward + times[i].recompute
+            work = times[i].backward + times[i].recompute + (times[i].regather if zero3 else 0.0)
             t += work
             compute += work
             if reduce_now:
@@ -347,6 +353,8 @@ def simulate_step(
                         t = oldest
                 pending.append(q.issue(t, times[i].reduce))
         work = times[0].backward + times[0].recompute
+        if zero3 and root_regathered:
+            work += times[0].regather
         t += work
         compute += work
         if reduce_now:

@@ -519,6 +519,17 @@ def test_measured_optimizer_and_engine_costs_are_priced():
         params = sum(len(bk.shapes) for bk in unit.buckets)
         assert b.forward - a.forward == pytest.approx(1e-3 + params * 1e-4)
         assert b.backward - a.backward == pytest.approx(1e-3 + params * 1e-4)
+    # ZeRO-3's second gather in backward costs the engine more work; ZeRO-2 does not pay it.
+    from fullshard.planner.timing import simulate_step
+
+    regather = dataclasses.replace(base, regather_overhead=2e-3, regather_param_overhead=1e-4)
+    _, again = _gloo_times(2, regather)
+    blocks = sum(t.regather for t in again[1:])
+    assert again[1].regather == pytest.approx(
+        2e-3 + sum(len(bk.shapes) for bk in structure.units[1].buckets) * 1e-4)
+    z3 = simulate_step(again, zero3=True).compute - simulate_step(free, zero3=True).compute
+    z2 = simulate_step(again, zero3=False).compute - simulate_step(free, zero3=False).compute
+    assert z3 == pytest.approx(blocks) and z2 == 0
 
 
 def test_hardware_presets_files_and_errors(tmp_path):
