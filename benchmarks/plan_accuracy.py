@@ -240,6 +240,7 @@ def render(record: dict) -> str:
     lines = [
         f"# plan_accuracy benchmark, {record['date']}", "",
         f"Command: `{record['command']}` (under `flock -x /tmp/fullshard-bench.lock`)", "",
+        *([record["note"], ""] if record.get("note") else []),
         f"Machine: {m['cpus']} CPUs, {m['platform']}, torch {m['torch']}; fullshard at git "
         f"{record['git']}. Load average at start {[round(x, 2) for x in m['load_start']]}, "
         f"at end {[round(x, 2) for x in m['load_end']]}; wall time {m['wall_s']:.0f} s. "
@@ -267,10 +268,12 @@ def render(record: dict) -> str:
                   f"{within} of {len(errors)} within 20%."]
     lines += ["", "Measured hardware per run (SI units; the mean of before and after):", "",
               "| config | strategy | N | peak_flops | mem_bandwidth | op_overhead | "
-              "optimizer_tensor_s | optimizer_byte_s | unit_overhead | intra_bw | "
-              "intra_latency |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "optimizer_tensor_s | optimizer_byte_s | unit_overhead | param_overhead | "
+              "regather_overhead | regather_param_overhead | intra_bw | intra_latency |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     keys = ("peak_flops", "mem_bandwidth", "op_overhead", "optimizer_tensor_s",
-            "optimizer_byte_s", "unit_overhead", "intra_bw", "intra_latency")
+            "optimizer_byte_s", "unit_overhead", "param_overhead", "regather_overhead",
+            "regather_param_overhead", "intra_bw", "intra_latency")
     for r in record["rows"]:
         hw = r["hardware"]
         lines.append(f"| {r['config']} | {r['strategy']} | {r['world']} | "
