@@ -223,15 +223,18 @@ def measure_local(*, link: dict[str, float] | None = None,
                   compute: dict[str, float] | None = None) -> Hardware:
     """This machine as `Hardware` (module docstring); cached for the process. `link` /
     `compute`: what `measure_link()` / `measure_compute()` returned on ranks already running
-    (see `worst_of`); else both are measured here, on two ranks spawned for it."""
+    (see `worst_of`); without `link` both are measured on two ranks spawned for it, with only
+    `link` the compute figures are measured in this process."""
     if link is None and compute is None and "local" in _CACHE:
         return _CACHE["local"]
-    if link is None or compute is None:
+    if link is None:  # both on two ranks spawned for it, measuring at once
         from fullshard.testing.harness import run_distributed
 
-        measured = worst_of(run_distributed(measure_ranks, 2, timeout=120.0))
-        link = link or measured["link"]
+        measured = worst_of(run_distributed(measure_ranks, 2, timeout=180.0))
+        link = measured["link"]
         compute = compute or measured["compute"]
+    elif compute is None:  # the ranks measured their link (the demo): compute here
+        compute = measure_compute()
     latency, bandwidth, unit = link["latency"], link["bandwidth"], link["unit_overhead"]
     cores = os.cpu_count() or 1
     hw = Hardware(
