@@ -1,4 +1,4 @@
-"""`--hardware local`: measure this machine in a few seconds and describe it as `Hardware`.
+"""`--hardware local`: measure this machine (some 10-30 s on a loaded 2-core machine) as `Hardware`.
 
 Measured on the ranks that will train (as the benchmark and the tests do), or on two ranks
 spawned for it (`measure_local()` alone), every rank at once -- a barrier starts each sample on
@@ -66,11 +66,13 @@ def _world():  # type: ignore[no-untyped-def]
     return build_mesh(resolve_sharding_strategy("FULL_SHARD")).world
 
 
-def _median_of(fn, repeats: int = 7, inner: int | None = None) -> float:  # type: ignore[no-untyped-def]
+def _median_of(fn, repeats: int = 7, inner: int | None = None,  # type: ignore[no-untyped-def]
+               together: bool = True) -> float:
     """Seconds per call of `fn`: the median of `repeats` samples of `inner` calls (default:
     as many as take about `WINDOW` seconds), each started on all ranks together. The median,
     not the best: on a shared machine the steps being predicted see the same load as this
-    measurement. A collective must pass `inner` (every rank must make the same calls)."""
+    measurement. A collective must pass `inner` (every rank must make the same calls).
+    `together`: start each sample on all ranks (all must call); False in one process."""
     fn()
     if inner is None:
         t0 = time.perf_counter()
@@ -78,7 +80,8 @@ def _median_of(fn, repeats: int = 7, inner: int | None = None) -> float:  # type
         inner = max(1, int(WINDOW / max(time.perf_counter() - t0, 1e-7)))
     runs = []
     for _ in range(repeats):
-        _sync()
+        if together:
+            _sync()
         t0 = time.perf_counter()
         for _ in range(inner):
             fn()
@@ -86,26 +89,27 @@ def _median_of(fn, repeats: int = 7, inner: int | None = None) -> float:  # type
     return sorted(runs)[len(runs) // 2]
 
 
-def measure_compute() -> dict[str, float]:
+def measure_compute(*, together: bool = False) -> dict[str, float]:
     """Matmul FLOP/s, copy bandwidth, per-op overhead and AdamW's costs of this process (one
-    thread); on every rank at once when called on all ranks of a process group."""
+    thread). `together`: called on every rank of the process group, each sample started on
+    all at once (`measure_ranks`); else this process alone."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         a, b = torch.randn(256, 1024), torch.randn(1024, 1024)
-        mm = _median_of(lambda: a @ b)
+        mm = _median_of(lambda: a @ b, together=together)
         src = torch.empty(8 * 2**20)  # 32 MiB
         dst = torch.empty_like(src)
-        copy = _median_of(lambda: dst.copy_(src))
-        ops = _op_seconds()
-        per_tensor, per_byte = _adamw_seconds()
+        copy = _median_of(lambda: dst.copy_(src), together=together)
+        ops = _op_seconds(together)
+        per_tensor, per_byte = _adamw_seconds(together)
     finally:
         torch.set_num_threads(threads)
     return {"flops": 2 * 256 * 1024 * 1024 / mm, "mem_bandwidth": 2 * src.nbytes / copy,
             "op_overhead": ops, "optimizer_tensor_s": per_tensor, "optimizer_byte_s": per_byte}
 
 
-def _op_seconds() -> float:
+def _op_seconds(together: bool) -> float:
     """Seconds per kernel of a transformer block too small for its work to count (width 16,
     4 tokens), forward and backward, over the kernels `profile.py` counts in its forward
     (backward: twice as many)."""
@@ -123,10 +127,10 @@ def _op_seconds() -> float:
     def step() -> None:
         block(x).sum().backward()
 
-    return _median_of(step) / kernels
+    return _median_of(step, together=together) / kernels
 
 
-def _adamw_seconds() -> tuple[float, float]:
+def _adamw_seconds(together: bool) -> tuple[float, float]:
     """(seconds per parameter tensor, seconds per byte) of `torch.optim.AdamW.step()`."""
 
     def step_of(params: list[torch.Tensor]):  # type: ignore[no-untyped-def]
@@ -136,9 +140,10 @@ def _adamw_seconds() -> tuple[float, float]:
         return opt.step
 
     tiny = [torch.zeros(16, requires_grad=True) for _ in range(64)]
-    per_tensor = _median_of(step_of(tiny)) / len(tiny)
+    per_tensor = _median_of(step_of(tiny), together=together) / len(tiny)
     big = torch.zeros(4 * 2**20, requires_grad=True)
-    per_byte = max(_median_of(step_of([big]), repeats=5) - per_tensor, 0.0) / (big.numel() * 4)
+    seconds = _median_of(step_of([big]), repeats=5, together=together)
+    per_byte = max(seconds - per_tensor, 0.0) / (big.numel() * 4)
     return per_tensor, per_byte
 
 
@@ -205,7 +210,7 @@ def _engine_seconds(linears: int, strategy: str) -> float:
 
 def measure_ranks() -> dict[str, dict[str, float]]:
     """On every rank of a gloo process group: `measure_compute()` and `measure_link()`."""
-    return {"compute": measure_compute(), "link": measure_link()}
+    return {"compute": measure_compute(together=True), "link": measure_link()}
 
 
 _WORST = {"flops": min, "mem_bandwidth": min, "op_overhead": max, "optimizer_tensor_s": max,
