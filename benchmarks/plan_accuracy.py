@@ -5,17 +5,19 @@
     python benchmarks/plan_accuracy.py --published    # the planner vs published FSDP2 runs
 
 For each world size one group of gloo ranks (`fullshard.testing.DistributedGroup`, one torch
-thread per rank) first measures this machine as `--hardware local` does (`planner.measure`:
-matmul FLOP/s, copy bandwidth, per-kernel cost, loopback latency and bandwidth, the engine's
-per-unit cost; the ranks' worst figures), then trains each configuration -- the benchmark
-models A, B, S of `gpt.py` and the demo's model, wrapped per block with BLOCK bucketing, AdamW
--- for `--steps` steps and takes the median of the steps after `--warmup` of the slowest rank.
-The prediction is `fullshard.planner.predict(...)` for the same configuration on that measured
-hardware. Each rank trains `ceil(global batch / N)` sequences (3 ranks: A and B's 8 become 3
-per rank).
+thread per rank) trains each configuration -- the benchmark models A, B, S of `gpt.py` and the
+demo's model, wrapped per block with BLOCK bucketing, AdamW -- for `--steps` steps and takes
+the median of the steps after `--warmup` of the slowest rank. Just before and just after each
+configuration the same ranks measure this machine as `--hardware local` does
+(`planner.measure.measure_ranks`, all ranks at once: matmul FLOP/s, copy bandwidth, per-kernel
+cost, AdamW's step, the exchange latency and bandwidth, the engine's per-unit cost; the ranks'
+worst figures), and the mean of the two is the hardware of that prediction: on a shared
+machine the load drifts over minutes. The prediction is `fullshard.planner.predict(...)` for
+the same configuration on that measured hardware. Each rank trains `ceil(global batch / N)`
+sequences (3 ranks: A and B's 8 become 3 per rank).
 
-Writes `<date>-plan_accuracy.json` and `.md` into `--results-dir` (default
-`benchmarks/results/`). Run it alone (`flock /tmp/fullshard-bench.lock python ...`): the load
+Writes `<date>-<--name>.json` and `.md` into `--results-dir` (default
+`benchmarks/results/`). Run it alone (`flock -x /tmp/fullshard-bench.lock python ...`): the load
 of other jobs changes both the measured hardware and the steps.
 """
 
@@ -63,12 +65,15 @@ def time_run(configs: list[tuple[str, str]], steps: int, warmup: int) -> dict:
     import torch.nn.functional as F
 
     import fullshard
-    from fullshard.planner.measure import measure_compute, measure_link
+    from fullshard.planner.measure import measure_ranks
 
     torch.set_num_threads(1)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    out: dict = {"compute": measure_compute(), "link": measure_link(), "runs": []}
+    out: dict = {"runs": []}
+    after = measure_ranks()  # each measurement is the one after a run and before the next
     for config, strategy in configs:
+        load = os.getloadavg()
+        before = after
         factory, seq, global_batch, block = _model_factory(config)
         per_rank = -(-global_batch // world)
         torch.manual_seed(0)
@@ -88,23 +93,26 @@ def time_run(configs: list[tuple[str, str]], steps: int, warmup: int) -> dict:
             opt.step()
             opt.zero_grad()
             times.append(time.perf_counter() - t0)
-        out["runs"].append({"config": config, "strategy": strategy, "per_rank": per_rank,
-                            "seq": seq, "steps": times[warmup:]})
         del model, opt
+        after = measure_ranks()
+        out["runs"].append({"config": config, "strategy": strategy, "per_rank": per_rank,
+                            "seq": seq, "steps": times[warmup:], "load": load,
+                            "hardware": [before, after]})
     return out
 
 
 def predict_runs(world: int, ranks: list[dict]) -> list[dict]:
-    from fullshard.planner.measure import measure_local
+    """Each run's prediction on the hardware its ranks measured just before and just after
+    it (the mean of the two, each the ranks' worst figures): the load drifts over minutes."""
+    from fullshard.planner.measure import measure_local, worst_of
     from fullshard.planner.predict import predict
 
-    link = {k: max(r["link"][k] for r in ranks) for k in ("latency", "unit_overhead")}
-    link["bandwidth"] = min(r["link"]["bandwidth"] for r in ranks)
-    compute = {k: min(r["compute"][k] for r in ranks) for k in ("flops", "mem_bandwidth")}
-    compute["op_overhead"] = max(r["compute"]["op_overhead"] for r in ranks)
-    hw = measure_local(link=link, compute=compute)
     rows = []
     for i, run in enumerate(ranks[0]["runs"]):
+        around = [worst_of([r["runs"][i]["hardware"][k] for r in ranks]) for k in (0, 1)]
+        mean = {part: {key: (around[0][part][key] + around[1][part][key]) / 2
+                       for key in around[0][part]} for part in ("compute", "link")}
+        hw = measure_local(link=mean["link"], compute=mean["compute"])
         measured = max(statistics.median(r["runs"][i]["steps"]) for r in ranks)
         factory, seq, _, block = _model_factory(run["config"])
         e = predict(factory, world_size=world, strategy=run["strategy"],
@@ -115,8 +123,11 @@ def predict_runs(world: int, ranks: list[dict]) -> list[dict]:
                      "per_rank_batch": run["per_rank"], "measured_s": measured,
                      "predicted_s": t.step, "error": t.step / measured - 1,
                      "predicted_compute_s": t.compute, "predicted_exposed_s": t.exposed,
-                     "predicted_comm_s": t.comm, "steps": [r["runs"][i]["steps"] for r in ranks]})
-    return rows, hw.to_dict()
+                     "predicted_optimizer_s": t.optimizer,
+                     "predicted_comm_s": t.comm, "load": run["load"], "hardware": hw.to_dict(),
+                     "measured_before_after": around,
+                     "steps": [r["runs"][i]["steps"] for r in ranks]})
+    return rows
 
 
 # torchtitan's docs/performance.md (FSDP2, 1D parallelism): model, GPUs, hardware, per-GPU
@@ -179,6 +190,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--results-dir", default=str(HERE / "results"))
+    p.add_argument("--name", default="plan_accuracy",
+                   help="record name: <date>-<name>.json and .md")
     p.add_argument("--published", action="store_true",
                    help="only the planner's predictions for published FSDP2 runs")
     args = p.parse_args()
@@ -193,12 +206,12 @@ def main() -> None:
     start = time.time()
     load_start = os.getloadavg()
     configs = [(c, s) for c in args.configs for s in args.strategies]
-    rows, hardware = [], {}
+    rows = []
     for world in args.worlds:
         with DistributedGroup(world) as group:
             ranks = group.run(plan_accuracy.time_run, configs, args.steps, args.warmup,
                               timeout=3600.0)
-        world_rows, hardware[str(world)] = predict_runs(world, ranks)
+        world_rows = predict_runs(world, ranks)
         rows += world_rows
         for r in world_rows:
             print(f"{r['config']:>4} {r['strategy']:<13} N={world}: measured "
@@ -212,13 +225,13 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "torch": torch.__version__, "load_start": load_start,
                     "load_end": os.getloadavg(), "wall_s": time.time() - start},
-        "hardware": hardware, "rows": rows,
+        "rows": rows,
     }
     out = Path(args.results_dir)
     out.mkdir(parents=True, exist_ok=True)
     day = datetime.date.today().isoformat()
-    (out / f"{day}-plan_accuracy.json").write_text(json.dumps(record, indent=1))
-    (out / f"{day}-plan_accuracy.md").write_text(render(record))
+    (out / f"{day}-{args.name}.json").write_text(json.dumps(record, indent=1))
+    (out / f"{day}-{args.name}.md").write_text(render(record))
     print(render(record))
 
 
@@ -226,34 +239,45 @@ def render(record: dict) -> str:
     m = record["machine"]
     lines = [
         f"# plan_accuracy benchmark, {record['date']}", "",
-        f"Command: `{record['command']}` (under `flock /tmp/fullshard-bench.lock`)", "",
+        f"Command: `{record['command']}` (under `flock -x /tmp/fullshard-bench.lock`)", "",
+        *([record["note"], ""] if record.get("note") else []),
         f"Machine: {m['cpus']} CPUs, {m['platform']}, torch {m['torch']}; fullshard at git "
         f"{record['git']}. Load average at start {[round(x, 2) for x in m['load_start']]}, "
         f"at end {[round(x, 2) for x in m['load_end']]}; wall time {m['wall_s']:.0f} s. "
         "Other jobs were running on the machine (the load average counts them); they slow "
         "the measured hardware and the measured steps alike.", "",
-        "Predicted: `fullshard.planner.predict(...)` with the hardware measured by the same "
-        "ranks just before (`--hardware local`). Measured: median step (forward, backward, "
-        "AdamW) of the slowest rank after the warm-up steps. error = predicted / measured - 1.",
-        "", "| config | strategy | N | batch/rank | measured ms | predicted ms | error | "
-        "pred. compute ms | pred. exposed comm ms |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "Predicted: `fullshard.planner.predict(...)` on the hardware measured by the same "
+        "ranks (`planner.measure.measure_ranks`, what `--hardware local` measures, all ranks "
+        "at once) just before and just after each run, the mean of the two. Measured: median "
+        "step (forward, backward, AdamW) of the slowest rank after the warm-up steps. "
+        "error = predicted / measured - 1. load: the 1-minute load average as the run began.",
+        "", "| config | strategy | N | batch/rank | load | measured ms | predicted ms | error | "
+        "pred. compute ms | pred. exposed comm ms | pred. optimizer ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in record["rows"]:
         lines.append(
             f"| {r['config']} | {r['strategy']} | {r['world']} | {r['per_rank_batch']} | "
-            f"{r['measured_s'] * 1e3:.1f} | {r['predicted_s'] * 1e3:.1f} | {r['error']:+.0%} | "
-            f"{r['predicted_compute_s'] * 1e3:.1f} | {r['predicted_exposed_s'] * 1e3:.1f} |")
+            f"{r['load'][0]:.1f} | {r['measured_s'] * 1e3:.1f} | {r['predicted_s'] * 1e3:.1f} | "
+            f"{r['error']:+.0%} | {r['predicted_compute_s'] * 1e3:.1f} | "
+            f"{r['predicted_exposed_s'] * 1e3:.1f} | {r['predicted_optimizer_s'] * 1e3:.1f} |")
     errors = [abs(r["error"]) for r in record["rows"]]
     if errors:
         within = sum(e <= 0.2 for e in errors)
         lines += ["", f"|error| median {statistics.median(errors):.0%}, max {max(errors):.0%}; "
                   f"{within} of {len(errors)} within 20%."]
-    lines += ["", "Measured hardware per world size (SI units):", ""]
-    for world, hw in record["hardware"].items():
-        keys = ("peak_flops", "mem_bandwidth", "op_overhead", "unit_overhead", "intra_bw",
-                "intra_latency")
-        lines.append(f"- N={world}: " + ", ".join(f"{k} {hw[k]:.3g}" for k in keys))
+    lines += ["", "Measured hardware per run (SI units; the mean of before and after):", "",
+              "| config | strategy | N | peak_flops | mem_bandwidth | op_overhead | "
+              "optimizer_tensor_s | optimizer_byte_s | unit_overhead | param_overhead | "
+              "regather_overhead | regather_param_overhead | intra_bw | intra_latency |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    keys = ("peak_flops", "mem_bandwidth", "op_overhead", "optimizer_tensor_s",
+            "optimizer_byte_s", "unit_overhead", "param_overhead", "regather_overhead",
+            "regather_param_overhead", "intra_bw", "intra_latency")
+    for r in record["rows"]:
+        hw = r["hardware"]
+        lines.append(f"| {r['config']} | {r['strategy']} | {r['world']} | "
+                     + " | ".join(f"{hw[k]:.3g}" for k in keys) + " |")
     return "\n".join(lines) + "\n"
 
 

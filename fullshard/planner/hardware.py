@@ -11,15 +11,25 @@ Fields (SI units: FLOP/s, bytes/s, seconds, bytes):
     op_overhead       fixed seconds per kernel (launch / dispatch; on GPUs mostly hidden by
                       asynchronous launches, on CPUs the eager dispatcher's cost)
     unit_overhead     fixed seconds per unit per pass for the engine's hooks and bookkeeping
+    param_overhead    fixed seconds per parameter of a unit per pass (the engine's work per
+                      parameter: views installed and removed, gradients handed out; 0 in
+                      the presets, measured by `--hardware local`)
+    regather_overhead, regather_param_overhead  the same for ZeRO-3's second gather of a unit
+                      in backward (per unit, per parameter): the engine's work beyond
+                      ZeRO-2's (measured by `--hardware local`, 0 in the presets)
     memory            device memory (the default budget)
     intra_bw, intra_latency  per-GPU bandwidth (one direction) and per-step latency of the
-                      links inside a node (NVLink, PCIe, or loopback)
+                      links inside a node (NVLink, PCIe, or loopback; on gloo the latency is
+                      one pairwise exchange's fixed cost, see `timing.py`)
     inter_bw, inter_latency  the same between nodes (InfiniBand / RoCE / Ethernet, per GPU)
     ranks_per_node    GPUs per node (HYBRID's default shard size; rings wider than this cross
                       the network)
     backend           the collective backend these links are driven by ('nccl', 'gloo')
     host_bw           host <-> device copies (CPU offload: PCIe), host_mem_bandwidth the host
                       memory the offloaded optimizer step streams through
+    optimizer_tensor_s, optimizer_byte_s  a measured optimizer step (`--hardware local` times
+                      torch's AdamW): seconds per parameter tensor and per byte of shard; 0
+                      (the presets): priced from mem_bandwidth and op_overhead instead
     overlap           fraction of communication that can run while compute runs (1.0 on GPUs,
                       where collectives have their own streams and copy engines; lower on CPUs,
                       where gloo's threads share the cores with compute)
@@ -58,10 +68,15 @@ class Hardware:
     mem_efficiency: float = 0.7
     op_overhead: float = 0.0
     unit_overhead: float = 0.0
+    param_overhead: float = 0.0
+    regather_overhead: float = 0.0
+    regather_param_overhead: float = 0.0
     overlap: float = 1.0
     backend: str = "nccl"
     host_bw: float = 25e9
     host_mem_bandwidth: float = 100e9
+    optimizer_tensor_s: float = 0.0
+    optimizer_byte_s: float = 0.0
     source: str = ""
 
     def __post_init__(self) -> None:

@@ -1,22 +1,35 @@
-"""`--hardware local`: measure this machine in a few seconds and describe it as `Hardware`.
+"""`--hardware local`: measure this machine (some 10-30 s on a loaded 2-core machine) as `Hardware`.
 
-Measured in this process, with one torch thread (as the benchmark ranks run), each the median
-of a few repeats:
+Measured on the ranks that will train (as the benchmark and the tests do), or on two ranks
+spawned for it (`measure_local()` alone), every rank at once -- a barrier starts each sample on
+all ranks together, so N ranks on fewer cores measure the oversubscribed machine they will
+train on -- with one torch thread per rank. Each figure is the median of several samples of
+about `WINDOW` seconds each (not one short burst: on a shared machine a burst catches one
+moment's load, a step lasts hundreds of milliseconds); the ranks' worst figures are kept (the
+step waits for the slowest rank):
 
     peak_flops      FLOP/s of a (256 x 1024) @ (1024 x 1024) fp32 matmul (also used for 16-bit:
                     CPUs have no faster 16-bit path to count on); matmul_efficiency = 1
     mem_bandwidth   bytes/s of copying a 32 MiB tensor (read + write); mem_efficiency = 1
     op_overhead     seconds per kernel of a tiny transformer block (width 16, 4 tokens) run
                     forward and backward, over the kernels the profile counts (x 3)
+    optimizer_tensor_s, optimizer_byte_s   torch's AdamW step itself: on 64 tensors of 16
+                    elements (per tensor) and on one tensor of 4 Mi elements, 16 MiB, beyond
+                    the caches as a model's shards are (per byte)
 
-and between two gloo ranks on this machine (spawned through `fullshard.testing`, using the
-engine's own collectives), the loopback link:
+and between the ranks (the engine's own collectives, gloo loopback):
 
-    intra_latency   half the round trip of an all-reduce of one float
-    intra_bw        bytes/s of an all-gather of 4 MiB per rank (each rank sends its piece)
-    unit_overhead   the engine's fixed cost per unit and pass: a FULL_SHARD model of 16 tiny
-                    units against the same model unwrapped, per unit and pass, less the
-                    collectives' latency counted separately
+    intra_latency   one small all-gather through the engine's path (one packed message per
+                    peer, all peers at once): the fixed cost of one exchange at this N
+    intra_bw        bytes/s of an all-gather of 4 MiB per rank (each rank sends its piece to
+                    each peer), less that latency
+    unit_overhead, param_overhead   the engine's fixed cost per unit and per parameter and
+                    pass: SHARD_GRAD_OP models of 16 tiny units of 1 and of 6 Linear(8, 8)
+                    against the same models unwrapped, per unit and pass (the difference per
+                    parameter), less the exchanges' latency the time model charges those
+                    units separately
+    regather_overhead, regather_param_overhead   the same for what FULL_SHARD adds to that
+                    (ZeRO-3's second gather in backward), per unit and per parameter
 
 All ranks share one node (`ranks_per_node` = 64), and `overlap` = 0.5: gloo's threads run on
 the same cores as compute, so communication hidden behind compute still costs about half its
@@ -32,14 +45,43 @@ import torch
 
 from fullshard.planner.hardware import Hardware
 
+WINDOW = 0.03
+"""Seconds per timing sample (several calls of the measured operation)."""
+
 _CACHE: dict[str, Hardware] = {}
 
 
-def _median_of(fn, repeats: int = 5, inner: int = 1) -> float:  # type: ignore[no-untyped-def]
-    """The median of `repeats` timings of `inner` calls, per call. The median, not the best:
-    on a shared machine the steps being predicted see the same load as this measurement."""
+def _sync() -> None:
+    """Start the next sample on every rank together (no-op outside a process group)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        from fullshard.distributed import comm
+
+        comm.barrier(_world())
+
+
+def _world():  # type: ignore[no-untyped-def]
+    from fullshard.config import resolve_sharding_strategy
+    from fullshard.distributed.mesh import build_mesh
+
+    return build_mesh(resolve_sharding_strategy("FULL_SHARD")).world
+
+
+def _median_of(fn, repeats: int = 7, inner: int | None = None,  # type: ignore[no-untyped-def]
+               together: bool = True) -> float:
+    """Seconds per call of `fn`: the median of `repeats` samples of `inner` calls (default:
+    as many as take about `WINDOW` seconds), each started on all ranks together. The median,
+    not the best: on a shared machine the steps being predicted see the same load as this
+    measurement. A collective must pass `inner` (every rank must make the same calls).
+    `together`: start each sample on all ranks (all must call); False in one process."""
+    fn()
+    if inner is None:
+        t0 = time.perf_counter()
+        fn()
+        inner = max(1, int(WINDOW / max(time.perf_counter() - t0, 1e-7)))
     runs = []
     for _ in range(repeats):
+        if together:
+            _sync()
         t0 = time.perf_counter()
         for _ in range(inner):
             fn()
@@ -47,24 +89,27 @@ def _median_of(fn, repeats: int = 5, inner: int = 1) -> float:  # type: ignore[n
     return sorted(runs)[len(runs) // 2]
 
 
-def measure_compute() -> dict[str, float]:
-    """Matmul FLOP/s, copy bandwidth and per-op overhead of this process (one thread)."""
+def measure_compute(*, together: bool = False) -> dict[str, float]:
+    """Matmul FLOP/s, copy bandwidth, per-op overhead and AdamW's costs of this process (one
+    thread). `together`: called on every rank of the process group, each sample started on
+    all at once (`measure_ranks`); else this process alone."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         a, b = torch.randn(256, 1024), torch.randn(1024, 1024)
-        mm = _median_of(lambda: a @ b, repeats=5, inner=2)
+        mm = _median_of(lambda: a @ b, together=together)
         src = torch.empty(8 * 2**20)  # 32 MiB
         dst = torch.empty_like(src)
-        copy = _median_of(lambda: dst.copy_(src), repeats=5)
-        ops = _op_seconds()
+        copy = _median_of(lambda: dst.copy_(src), together=together)
+        ops = _op_seconds(together)
+        per_tensor, per_byte = _adamw_seconds(together)
     finally:
         torch.set_num_threads(threads)
     return {"flops": 2 * 256 * 1024 * 1024 / mm, "mem_bandwidth": 2 * src.nbytes / copy,
-            "op_overhead": ops}
+            "op_overhead": ops, "optimizer_tensor_s": per_tensor, "optimizer_byte_s": per_byte}
 
 
-def _op_seconds() -> float:
+def _op_seconds(together: bool) -> float:
     """Seconds per kernel of a transformer block too small for its work to count (width 16,
     4 tokens), forward and backward, over the kernels `profile.py` counts in its forward
     (backward: twice as many)."""
@@ -82,63 +127,119 @@ def _op_seconds() -> float:
     def step() -> None:
         block(x).sum().backward()
 
-    step()
-    return _median_of(step, repeats=5, inner=3) / kernels
+    return _median_of(step, together=together) / kernels
+
+
+def _adamw_seconds(together: bool) -> tuple[float, float]:
+    """(seconds per parameter tensor, seconds per byte) of `torch.optim.AdamW.step()`."""
+
+    def step_of(params: list[torch.Tensor]):  # type: ignore[no-untyped-def]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-4)
+        return opt.step
+
+    tiny = [torch.zeros(16, requires_grad=True) for _ in range(64)]
+    per_tensor = _median_of(step_of(tiny), together=together) / len(tiny)
+    big = torch.zeros(4 * 2**20, requires_grad=True)
+    seconds = _median_of(step_of([big]), repeats=5, together=together)
+    per_byte = max(seconds - per_tensor, 0.0) / (big.numel() * 4)
+    return per_tensor, per_byte
 
 
 def measure_link() -> dict[str, float]:
-    """On every rank of an initialized gloo process group (all must call it): the link's
+    """On every rank of an initialized gloo process group (all must call it): the exchange
     latency and bandwidth and the engine's per-unit cost (module docstring)."""
+    from fullshard.distributed import comm
+    from fullshard.engine.hooks import small_units_bytes
+
+    torch.set_num_threads(1)
+    group = _world()
+    n = group.size
+    small = torch.zeros(256)
+    out_small = torch.empty(n * small.numel())
+    latency = _median_of(lambda: comm.all_gather(out_small, small, group), repeats=9,
+                         inner=20)
+    piece = torch.zeros(2**20)  # 4 MiB per rank, one message per peer
+    out = torch.empty(n * piece.numel())
+    gather = _median_of(lambda: comm.all_gather(out, piece, group, check=False), repeats=5,
+                        inner=3)
+    bandwidth = piece.nbytes * (n - 1) / max(gather - latency, 1e-9)
+
+    # The engine's fixed costs: 16 tiny units of k Linear(8, 8) each (2k parameters), wrapped
+    # against unwrapped, per unit and pass; k = 1 and 6 separate the cost per unit from the
+    # cost per parameter, SHARD_GRAD_OP and FULL_SHARD ZeRO-3's second gather in backward.
+    z2 = {k: _engine_seconds(k, "SHARD_GRAD_OP") for k in (1, 6)}
+    z3 = {k: _engine_seconds(k, "FULL_SHARD") for k in (1, 6)}
+    # What timing.unit_times charges these units for their exchanges: a share of one
+    # exchange's latency each (small units travel together); ZeRO-2 has 2 per unit (a gather,
+    # a reduce-scatter) over 2 passes, ZeRO-3 one more gather.
+    unit_bytes = 4 * 9 * -(-8 // n)  # Linear(8, 8)'s weight rows and bias, per rank
+    share = 1.0 / max(1, small_units_bytes() // unit_bytes) if small_units_bytes() else 1.0
+    per_param = max(z2[6] - z2[1], 0.0) / (12 - 2)
+    per_unit = max(z2[1] - 2 * per_param - share * latency, 0.0)
+    extra = {k: 2 * (z3[k] - z2[k]) for k in (1, 6)}  # per unit, once (in backward)
+    regather_param = max(extra[6] - extra[1], 0.0) / (12 - 2)
+    regather = max(extra[1] - 2 * regather_param - share * latency, 0.0)
+    return {"latency": latency, "bandwidth": bandwidth, "unit_overhead": per_unit,
+            "param_overhead": per_param, "regather_overhead": regather,
+            "regather_param_overhead": regather_param}
+
+
+def _engine_seconds(linears: int, strategy: str) -> float:
+    """Seconds per unit and pass that `strategy` adds to 16 units of `linears` Linear(8, 8)."""
     from torch import nn
 
     from fullshard.api.functional import fsdp
-    from fullshard.config import resolve_sharding_strategy
-    from fullshard.distributed import comm
-    from fullshard.distributed.mesh import build_mesh
-
-    torch.set_num_threads(1)
-    group = build_mesh(resolve_sharding_strategy("FULL_SHARD")).world
-    one = torch.zeros(1)
-    comm.all_reduce(one, group)
-    latency = _median_of(lambda: comm.all_reduce(one, group), repeats=5, inner=20) / 2
-    piece = torch.zeros(2**20)  # 4 MiB per rank
-    out = torch.empty(group.size * piece.numel())
-    comm.all_gather(out, piece, group)
-    gather = _median_of(lambda: comm.all_gather(out, piece, group), repeats=3, inner=2)
-    bandwidth = piece.nbytes * (group.size - 1) / max(gather, 1e-9)
 
     def blocks() -> nn.Module:
         torch.manual_seed(0)
-        return nn.Sequential(*(nn.Sequential(nn.Linear(8, 8)) for _ in range(16)))
+        return nn.Sequential(*(nn.Sequential(*(nn.Linear(8, 8) for _ in range(linears)))
+                               for _ in range(16)))
 
     x = torch.randn(2, 8)
     plain = blocks()
-    wrapped = fsdp(blocks(), sharding_strategy="FULL_SHARD",
-                             auto_wrap_policy={nn.Sequential}, bucketing_strategy="BLOCK",
-                             device="cpu")
+    wrapped = fsdp(blocks(), sharding_strategy=strategy,
+                   auto_wrap_policy={nn.Sequential}, bucketing_strategy="BLOCK", device="cpu")
     for m in (plain, wrapped):
         m(x).sum().backward()
-    base = _median_of(lambda: plain(x).sum().backward(), repeats=5)
-    step = _median_of(lambda: wrapped(x).sum().backward(), repeats=5)
-    per_unit = (step - base) / (16 * 2) - 1.5 * latency  # 3 collectives per unit, 2 passes
-    return {"latency": latency, "bandwidth": bandwidth, "unit_overhead": max(per_unit, 0.0)}
+    base = _median_of(lambda: plain(x).sum().backward())
+    step = _median_of(lambda: wrapped(x).sum().backward(), inner=5)
+    return (step - base) / (16 * 2)
+
+
+def measure_ranks() -> dict[str, dict[str, float]]:
+    """On every rank of a gloo process group: `measure_compute()` and `measure_link()`."""
+    return {"compute": measure_compute(together=True), "link": measure_link()}
+
+
+_WORST = {"flops": min, "mem_bandwidth": min, "op_overhead": max, "optimizer_tensor_s": max,
+          "optimizer_byte_s": max, "latency": max, "bandwidth": min, "unit_overhead": max,
+          "param_overhead": max, "regather_overhead": max, "regather_param_overhead": max}
+
+
+def worst_of(results: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """The ranks' worst figures of `measure_ranks()` results (the step waits for the slowest)."""
+    return {part: {k: _WORST[k](r[part][k] for r in results) for k in results[0][part]}
+            for part in ("compute", "link")}
 
 
 def measure_local(*, link: dict[str, float] | None = None,
                   compute: dict[str, float] | None = None) -> Hardware:
     """This machine as `Hardware` (module docstring); cached for the process. `link` /
     `compute`: what `measure_link()` / `measure_compute()` returned on ranks already running
-    (else they are measured here, two ranks spawned for the link)."""
+    (see `worst_of`); without `link` both are measured on two ranks spawned for it, with only
+    `link` the compute figures are measured in this process."""
     if link is None and compute is None and "local" in _CACHE:
         return _CACHE["local"]
-    compute = compute or measure_compute()
-    if link is None:
+    if link is None:  # both on two ranks spawned for it, measuring at once
         from fullshard.testing.harness import run_distributed
 
-        results = run_distributed(measure_link, 2, timeout=120.0)
-        link = {"latency": max(r["latency"] for r in results),
-                "bandwidth": min(r["bandwidth"] for r in results),
-                "unit_overhead": max(r["unit_overhead"] for r in results)}
+        measured = worst_of(run_distributed(measure_ranks, 2, timeout=180.0))
+        link = measured["link"]
+        compute = compute or measured["compute"]
+    elif compute is None:  # the ranks measured their link (the demo): compute here
+        compute = measure_compute()
     latency, bandwidth, unit = link["latency"], link["bandwidth"], link["unit_overhead"]
     cores = os.cpu_count() or 1
     hw = Hardware(
@@ -146,8 +247,13 @@ def measure_local(*, link: dict[str, float] | None = None,
         matmul_efficiency=1.0, mem_bandwidth=compute["mem_bandwidth"], mem_efficiency=1.0,
         memory=_host_memory(), intra_bw=bandwidth, intra_latency=latency, inter_bw=bandwidth,
         inter_latency=latency, ranks_per_node=64, op_overhead=compute["op_overhead"],
-        unit_overhead=unit, overlap=0.5, backend="gloo", host_bw=compute["mem_bandwidth"],
+        unit_overhead=unit, param_overhead=link.get("param_overhead", 0.0),
+        regather_overhead=link.get("regather_overhead", 0.0),
+        regather_param_overhead=link.get("regather_param_overhead", 0.0), overlap=0.5,
+        backend="gloo", host_bw=compute["mem_bandwidth"],
         host_mem_bandwidth=compute["mem_bandwidth"],
+        optimizer_tensor_s=compute.get("optimizer_tensor_s", 0.0),
+        optimizer_byte_s=compute.get("optimizer_byte_s", 0.0),
         source=f"measured on this machine ({cores} CPUs, one thread per rank, gloo loopback)")
     _CACHE.setdefault("local", hw)
     return hw

@@ -3,12 +3,15 @@
 Compute, per unit and pass, from the forward profile (`profile.py`, scaled to the micro-batch):
 
     forward   flops / (peak * matmul_efficiency) + moved / (mem_bandwidth * mem_efficiency)
-              + ops * op_overhead + unit_overhead
+              + ops * op_overhead + unit_overhead + params * param_overhead
     backward  twice the forward's flops and moved bytes and ops (the usual 2x: one matmul for
               the input's gradient, one for the weight's), + unit_overhead
+              + params * param_overhead
     recompute one more forward in backward for a checkpointed unit
+    regather  ZeRO-3 only, in backward: the engine's work to gather the unit again,
+              regather_overhead + params * regather_param_overhead
 
-Communication, per bucket and collective, an alpha-beta model of a ring over `n` ranks:
+Communication, per bucket and collective. NCCL: an alpha-beta model of a ring over `n` ranks:
 
     all-gather / reduce-scatter   (n - 1) * alpha + B * (n - 1) / n / bw
     all-reduce                    2 * (n - 1) * alpha + 2 * B * (n - 1) / n / bw
@@ -16,9 +19,25 @@ Communication, per bucket and collective, an alpha-beta model of a ring over `n`
 `B` the unsharded bytes (`n * L * dtype size`, `L` the padded shard), `bw`/`alpha` those of the
 slowest hop: NVLink when the ring stays in a node, the network when it spans nodes. HYBRID's
 reduce-scatter runs on the shard axis (inside a node) and its all-reduce of the shard on the
-replicate axis (across nodes). Gloo (the CPU backend) sends each peer its piece point to point
-and its reduce-scatter is an all-reduce plus a chunk, so its reduce-scatter moves twice the
-bytes; that is what `comm_stats()` counts, and what is timed here.
+replicate axis (across nodes).
+
+Gloo (the CPU backend): the engine's all-gathers and reduce-scatters are pairwise exchanges
+(`distributed/pairwise.py`): every rank posts its messages to all `n - 1` peers at once, one
+round, sending `B * (n - 1) / n` (the reduce-scatter too: no all-reduce underneath), so
+
+    all-gather / reduce-scatter   messages * alpha + B * (n - 1) / n / bw
+
+with `alpha` one exchange's fixed cost at this `n` (what `measure.py` times: a small
+all-gather through the engine's own path) and `messages` per peer: 1 for an exchange within
+`comm.COALESCE_BYTES` per rank (packed), else one per piece above `SMALL_PIECE_BYTES`, one
+for the small pieces and one for the header (the engine checks every unit's first bucket).
+Small units travel together (hooks.py, the note on small units): units of `u` bytes per rank
+share one exchange `floor(SMALL_UNITS_BYTES / u)` at a time, so each pays that fraction of
+`alpha`.
+
+The engine's own copies, on the compute side (memory-bound, at `mem_bandwidth`): a gather
+copies the rank's own shard into the unsharded buffer (read + write `L`); gloo's
+reduce-scatter sums the `n` received chunks of the rank's shard (reads `n * L`, writes `L`).
 
 Schedule: a replay of `engine/hooks.py` on two timelines, compute and one FIFO communication
 queue. Forward: the root's pre-hook issues its gather and prefetches the next `prefetch` units;
@@ -28,7 +47,7 @@ reshards is gathered again first), each block is gathered again with the same pr
 a unit's reduce-scatter (and HYBRID all-reduce) is queued when its backward is done, and with
 more than `max_pending_reductions` in flight compute waits for the oldest. The root's gradients
 complete last (the embedding is the first op of forward), so its reduction is exposed. Then the
-optimizer step streams the shards, gradients and state through memory.
+optimizer step (`optimizer_seconds`).
 
 Compute waits are the *exposed* communication. On CPUs the hidden part still costs
 `(1 - overlap)` of its time (gloo's threads take cores from compute). Gradient accumulation over
@@ -42,14 +61,22 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fullshard.distributed import comm
+from fullshard.distributed.pairwise import SMALL_PIECE_BYTES
+from fullshard.engine.hooks import small_units_bytes
 from fullshard.planner.estimate import PrecisionSpec, _size
 from fullshard.planner.hardware import Hardware
 from fullshard.planner.profile import ForwardProfile
-from fullshard.planner.structure import ModelStructure
+from fullshard.planner.structure import BucketSpec, ModelStructure
 
 OPTIMIZER_KERNELS_PER_TENSOR = 12
 """Kernels torch's single-tensor AdamW runs per parameter (step count, two moment updates,
 bias corrections, sqrt, division, weight decay, the update)."""
+
+OPTIMIZER_PASSES = {2: 20, 1: 8, 0: 3}
+"""Passes over a shard's bytes of torch's single-tensor step by state count: AdamW's kernels
+(weight decay 2, lerp 3, mul 2, addcmul 3, sqrt 2, div 2, add 2, addcdiv 4), SGD with momentum
+(mul 2, add 3, add 3), plain SGD (add 3). Scales the measured AdamW cost to other optimizers."""
 
 
 
@@ -62,6 +89,8 @@ class UnitTimes:
     """One all-gather of the unit (0 when nothing is sharded)."""
     reduce: float
     """Its gradient reduction: reduce-scatter, HYBRID/NO_SHARD all-reduce, offload copy."""
+    regather: float = 0.0
+    """Compute-side cost of ZeRO-3's second gather in backward (the engine's own work)."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +127,27 @@ def _ring(nbytes: float, n: int, bw: float, alpha: float, *, all_reduce: bool = 
     return k * ((n - 1) * alpha + nbytes * (n - 1) / n / bw)
 
 
+def _exchange(nbytes: float, n: int, bw: float, alpha: float, messages: float) -> float:
+    """Gloo's pairwise all-gather / reduce-scatter of `nbytes` unsharded (module docstring)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return messages * alpha + nbytes * (n - 1) / n / bw
+
+
+def _messages(bucket: BucketSpec, shard: int, element_size: int) -> int:
+    """Messages per peer of one pairwise exchange of `bucket` (comm._small, pairwise's pieces)."""
+    pieces = [_piece_numel(s, shard) * element_size for s in bucket.shapes]
+    if sum(pieces) <= comm.COALESCE_BYTES:
+        return 1
+    large = sum(1 for p in pieces if p > SMALL_PIECE_BYTES)
+    return large + (1 if large < len(pieces) else 0) + 1  # + the header, a message of its own
+
+
+def _piece_numel(shape: torch.Size, shard: int) -> int:
+    """One parameter's padded shard: the piece pairwise.py sends it as."""
+    return BucketSpec((shape,), torch.float32, False).padded_shard_numel(shard)
+
+
 def unit_times(
     structure: ModelStructure,
     profile: ForwardProfile,
@@ -120,6 +170,9 @@ def unit_times(
     rep_bw, rep_alpha = hardware.link(replicate, spans_nodes=world > per_node,
                                       one_per_node=shard >= per_node)
     scale = micro_batch / profile.batch
+    mem = hardware.mem_bandwidth * hardware.mem_efficiency
+    pairwise = backend == "gloo"
+    together = small_units_bytes() if pairwise else 0
     out = []
     for i, (unit, prof) in enumerate(zip(structure.units, profile.units)):
         compute_dtype = torch.float32
@@ -127,42 +180,78 @@ def unit_times(
             compute_dtype = precision.dtypes(b)[1]
             break
         rate = hardware.flops_rate(compute_dtype)
-        mem = hardware.mem_bandwidth * hardware.mem_efficiency
         work = prof.flops * scale / rate + prof.moved_bytes * scale / mem
-        fwd = work + prof.ops * hardware.op_overhead + hardware.unit_overhead
-        bwd = 2 * work + 2 * prof.ops * hardware.op_overhead + hardware.unit_overhead
+        params = sum(len(b.shapes) for b in unit.buckets)
+        fixed = hardware.unit_overhead + hardware.param_overhead * params  # the engine's own
+        regather = hardware.regather_overhead + hardware.regather_param_overhead * params
+        fwd = work + prof.ops * hardware.op_overhead + fixed
+        bwd = 2 * work + 2 * prof.ops * hardware.op_overhead + fixed
+        # Small units share an exchange (module docstring): the fraction of alpha each pays.
+        per_rank = sum(b.padded_shard_numel(shard) * _size(precision.dtypes(b)[1])
+                       for b in unit.buckets)
+        share = 1.0
+        if together and 0 < per_rank <= together:
+            share = 1.0 / max(1, together // per_rank)
         gather = reduce = 0.0
+        gather_copy = reduce_sum = 0.0  # the engine's own copies, on the compute side
         for b in unit.buckets:
             master, compute, red = precision.dtypes(b)
             flat = b.padded_shard_numel(shard)
             if cpu_offload:  # the shard comes from the host for each gather
                 gather += flat * _size(master) / hardware.host_bw
             if shard > 1:
-                gather += _ring(shard * flat * _size(compute), shard, shard_bw, shard_alpha)
+                nbytes = shard * flat * _size(compute)
+                gather_copy += 2 * flat * _size(compute) / mem
+                if pairwise:
+                    msgs = share * _messages(b, shard, _size(compute))
+                    gather += _exchange(nbytes, shard, shard_bw, shard_alpha, msgs)
+                else:
+                    gather += _ring(nbytes, shard, shard_bw, shard_alpha)
             if not b.requires_grad:
                 continue
             if shard > 1:
-                rs = _ring(shard * flat * _size(red), shard, shard_bw, shard_alpha)
-                reduce += 2 * rs if backend == "gloo" else rs
+                nbytes = shard * flat * _size(red)
+                if pairwise:
+                    msgs = share * _messages(b, shard, _size(red))
+                    reduce += _exchange(nbytes, shard, shard_bw, shard_alpha, msgs)
+                    reduce_sum += (shard + 1) * flat * _size(red) / mem
+                else:
+                    reduce += _ring(nbytes, shard, shard_bw, shard_alpha)
             if replicate > 1:
                 reduce += _ring(flat * _size(red), replicate, rep_bw, rep_alpha, all_reduce=True)
             if cpu_offload:
                 reduce += flat * _size(master) / hardware.host_bw
-        out.append(UnitTimes(fwd, bwd, fwd if i in checkpointed else 0.0, gather, reduce))
+        # ZeRO-3's second gather copies again in backward; not counted (one pass over L).
+        fwd += gather_copy
+        bwd += reduce_sum
+        out.append(UnitTimes(fwd, bwd, fwd if i in checkpointed else 0.0, gather, reduce,
+                             regather if shard > 1 else 0.0))
     return out
 
 
 def optimizer_seconds(structure: ModelStructure, shard: int, precision: PrecisionSpec,
                       hardware: Hardware, *, states: int, cpu_offload: bool) -> float:
-    """The optimizer step streams each local element's parameter, gradient and state, and
-    launches kernels per tensor: torch's single-tensor Adam(W) (its default off the GPU)
-    about `OPTIMIZER_KERNELS_PER_TENSOR` per parameter; on GPUs the foreach path groups the
-    tensors (counted as one kernel per tensor)."""
+    """The optimizer step over each rank's shards.
+
+    Where the hardware carries measured optimizer costs (`--hardware local` times torch's
+    AdamW step itself: `optimizer_tensor_s` per parameter tensor, `optimizer_byte_s` per byte
+    of shard), those: `tensors * optimizer_tensor_s + shard bytes * optimizer_byte_s`. (Off the
+    GPU torch runs the single-tensor AdamW: about 12 kernels per parameter, together some 20
+    passes over a shard's bytes -- three times the 7 the data-sheet model below counts.)
+
+    Otherwise (the presets): the step streams each local element's parameter, gradient and
+    state once, and launches kernels per tensor: the single-tensor Adam(W) (its default off
+    the GPU) about `OPTIMIZER_KERNELS_PER_TENSOR` per parameter; on GPUs the foreach path
+    groups the tensors (counted as one kernel per tensor)."""
     nbytes = 0
     for unit in structure.units:
         for b in unit.buckets:
             if b.requires_grad:
                 nbytes += b.padded_shard_numel(shard) * _size(precision.dtypes(b)[0])
+    if hardware.optimizer_tensor_s or hardware.optimizer_byte_s:
+        scale = OPTIMIZER_PASSES.get(states, 20) / OPTIMIZER_PASSES[2]  # measured on AdamW
+        return (structure.trainable_tensors * hardware.optimizer_tensor_s
+                + nbytes * hardware.optimizer_byte_s * scale)
     per_element = 3 + 2 * states if states else 3
     bw = hardware.host_mem_bandwidth if cpu_offload else hardware.mem_bandwidth
     per_tensor = OPTIMIZER_KERNELS_PER_TENSOR if hardware.backend == "gloo" or cpu_offload else 1
@@ -253,7 +342,7 @@ def simulate_step(
             wait(i)
             if i == 0:
                 continue  # the root's backward finishes last, below
-            work = times[i].backward + times[i].recompute
+            work = times[i].backward + times[i].recompute + (times[i].regather if zero3 else 0.0)
             t += work
             compute += work
             if reduce_now:
@@ -264,6 +353,8 @@ def simulate_step(
                         t = oldest
                 pending.append(q.issue(t, times[i].reduce))
         work = times[0].backward + times[0].recompute
+        if zero3 and root_regathered:
+            work += times[0].regather
         t += work
         compute += work
         if reduce_now:

@@ -173,10 +173,10 @@ def _time_configs(configs, steps: int = 3) -> dict:
     median step time (after one warm-up step)."""
     import time
 
-    from fullshard.planner.measure import measure_compute, measure_link
+    from fullshard.planner.measure import measure_ranks
     from fullshard.testing.models import Block
 
-    out = {"link": measure_link(), "compute": measure_compute(), "steps": []}
+    out = {"hardware": measure_ranks(), "steps": []}
     for strategy, layers, batch, ckpt in configs:
         torch.manual_seed(0)
         model = fullshard.fsdp(build_demo_model(layers=layers), sharding_strategy=strategy,
@@ -200,7 +200,7 @@ def test_predicted_faster_is_measured_faster(group):
     """Issue 23's loose bound for `make test`: with `--hardware local` (measured on these
     ranks), of two configurations the planner predicts >= 1.3x apart, the one predicted
     faster is measured faster; and no prediction is off by more than 4x."""
-    from fullshard.planner.measure import measure_local
+    from fullshard.planner.measure import measure_local, worst_of
     from fullshard.planner.predict import predict
 
     n = group.world_size
@@ -208,11 +208,8 @@ def test_predicted_faster_is_measured_faster(group):
         pytest.skip("timed on 2 ranks only, for the suite's time; benchmarks/plan_accuracy.py "
                     "records 2 and 3 ranks")
     runs = group.run(_time_configs, TIMED)
-    link = {k: max(r["link"][k] for r in runs) for k in ("latency", "unit_overhead")}
-    link["bandwidth"] = min(r["link"]["bandwidth"] for r in runs)
-    compute = {k: min(r["compute"][k] for r in runs) for k in ("flops", "mem_bandwidth")}
-    compute["op_overhead"] = max(r["compute"]["op_overhead"] for r in runs)
-    hw = measure_local(link=link, compute=compute)
+    measured_hw = worst_of([r["hardware"] for r in runs])
+    hw = measure_local(link=measured_hw["link"], compute=measured_hw["compute"])
     measured = [max(r["steps"][i] for r in runs) for i in range(len(TIMED))]
     predicted = [
         predict(lambda layers=layers: build_demo_model(layers=layers), world_size=n,

@@ -456,6 +456,82 @@ def test_time_model_schedule():
     assert every.comm - acc.comm == 3 * (1 + 4 * 3)
 
 
+def _gloo_times(world: int, hardware, *, dim: int = 64):
+    """unit_times of a 2-block model on `world` gloo ranks (FULL_SHARD), one sequence."""
+    from fullshard.planner.estimate import resolve_precision_spec
+    from fullshard.planner.model_spec import resolve_model
+    from fullshard.planner.profile import profile_forward
+    from fullshard.planner.structure import model_structure
+    from fullshard.planner.timing import unit_times
+    from fullshard.testing.models import Block
+
+    resolved = resolve_model(lambda: fullshard.planner.build_demo_model(layers=2, dim=dim),
+                             auto_wrap_policy={Block})
+    structure = model_structure(resolved.module, resolved.policy,
+                                fullshard.config.FSDPBucketingStrategy.BLOCK)
+    profile = profile_forward(resolved.module, resolved.policy, 1, 16)
+    return structure, unit_times(structure, profile, 1, (1, world),
+                                 resolve_precision_spec("32-true"), hardware, backend="gloo")
+
+
+def test_gloo_exchanges_are_one_round_and_the_reduce_scatter_sends_once():
+    """Gloo's all-gather and reduce-scatter are pairwise exchanges (distributed/pairwise.py):
+    one round to all peers, the reduce-scatter sending B (N-1)/N like the all-gather -- not a
+    ring's N-1 latencies nor gloo's own reduce-scatter (an all-reduce, twice the bytes)."""
+    from fullshard.planner.hardware import Hardware
+
+    slow_link = Hardware("t", 1e12, 1e12, 1.0, 1e12, 2**34, intra_bw=1e6, intra_latency=0.0,
+                         inter_bw=1e6, inter_latency=0.0, ranks_per_node=64, backend="gloo")
+    for world in (2, 3):
+        _, times = _gloo_times(world, slow_link)
+        for t in times:  # bandwidth-bound: same bytes each way
+            assert t.reduce == pytest.approx(t.gather, rel=1e-6)
+    latency_only = dataclasses.replace(slow_link, intra_bw=1e18, inter_bw=1e18,
+                                       intra_latency=1e-3, inter_latency=1e-3)
+    _, two = _gloo_times(2, latency_only, dim=384)
+    _, three = _gloo_times(3, latency_only, dim=384)
+    # Blocks of > 1 MiB per rank: a message per large piece (4 Linear weights), one for the
+    # small ones, a header; the same at any N (the latency is measured per N).
+    for a, b in zip(two[1:], three[1:]):
+        assert a.gather == pytest.approx(b.gather) == pytest.approx(6e-3)
+        assert a.reduce == pytest.approx(b.reduce) == pytest.approx(6e-3)
+
+
+def test_measured_optimizer_and_engine_costs_are_priced():
+    """`--hardware local` measures AdamW's step (per tensor, per byte) and the engine's cost
+    per unit and per parameter; the time model charges exactly those."""
+    from fullshard.planner.estimate import resolve_precision_spec
+    from fullshard.planner.hardware import Hardware
+    from fullshard.planner.timing import optimizer_seconds
+
+    base = Hardware("t", 1e18, 1e18, 1.0, 1e18, 2**34, intra_bw=1e18, intra_latency=0.0,
+                    inter_bw=1e18, inter_latency=0.0, ranks_per_node=64, backend="gloo")
+    measured = dataclasses.replace(base, optimizer_tensor_s=1e-4, optimizer_byte_s=1e-9)
+    structure, _ = _gloo_times(2, base)
+    fp32 = resolve_precision_spec("32-true")
+    shard_bytes = sum(b.padded_shard_numel(2) * 4 for u in structure.units for b in u.buckets)
+    seconds = optimizer_seconds(structure, 2, fp32, measured, states=2, cpu_offload=False)
+    assert seconds == pytest.approx(structure.trainable_tensors * 1e-4 + shard_bytes * 1e-9)
+    engine = dataclasses.replace(base, unit_overhead=1e-3, param_overhead=1e-4)
+    _, free = _gloo_times(2, base)
+    _, costly = _gloo_times(2, engine)
+    for unit, a, b in zip(structure.units, free, costly):
+        params = sum(len(bk.shapes) for bk in unit.buckets)
+        assert b.forward - a.forward == pytest.approx(1e-3 + params * 1e-4)
+        assert b.backward - a.backward == pytest.approx(1e-3 + params * 1e-4)
+    # ZeRO-3's second gather in backward costs the engine more work; ZeRO-2 does not pay it.
+    from fullshard.planner.timing import simulate_step
+
+    regather = dataclasses.replace(base, regather_overhead=2e-3, regather_param_overhead=1e-4)
+    _, again = _gloo_times(2, regather)
+    blocks = sum(t.regather for t in again[1:])
+    assert again[1].regather == pytest.approx(
+        2e-3 + sum(len(bk.shapes) for bk in structure.units[1].buckets) * 1e-4)
+    z3 = simulate_step(again, zero3=True).compute - simulate_step(free, zero3=True).compute
+    z2 = simulate_step(again, zero3=False).compute - simulate_step(free, zero3=False).compute
+    assert z3 == pytest.approx(blocks) and z2 == 0
+
+
 def test_hardware_presets_files_and_errors(tmp_path):
     from fullshard.planner.hardware import PRESETS, Hardware, resolve_hardware
 
