@@ -298,12 +298,12 @@ class Runtime:
         broken = False
         for u in self.units:
             u.uninstall()
-            try:
-                if not broken:
+            if not broken:
+                try:
                     self._release(u)
                     continue
-            except Exception:  # noqa: BLE001 - the forward's error is the one to see
-                broken = True
+                except Exception:  # noqa: BLE001 - the forward's error is the one to see
+                    broken = True
             u.abandon_gathers()
             self._release(u)
         self.forward_order = []

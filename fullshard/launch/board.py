@@ -28,6 +28,7 @@ import json
 import os
 import re
 import socket
+import threading
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -35,6 +36,11 @@ from typing import Any
 
 _ROOT_PREFIX = "fullshard/failures/"
 _STORE_TIMEOUT_S = 2.0
+# The longest any board operation may take. TCPStore's own timeout does not bound every op
+# to a host that is cut off (the op can sit in a send or a reconnect), and a rank must never
+# hang on the board while it is on its way out: each op runs on a daemon thread, given up
+# after this long.
+_OP_LIMIT_S = _STORE_TIMEOUT_S + 1.0
 # How long a rank that lost a peer waits for the board to name the cause before it exits.
 CAUSE_WAIT_S = 8.0
 
@@ -116,6 +122,31 @@ class Board:
         import torch.distributed as dist
 
         self.store = dist.PrefixStore(f"{_ROOT_PREFIX}attempt-{attempt or _attempt()}/", store)
+        self._stuck: threading.Thread | None = None  # an op given up on, still blocked
+
+    def _bounded(self, op: Any) -> Any:
+        """`op()` on a daemon thread, waited for at most `_OP_LIMIT_S` (see there). While an op
+        given up on is still blocked, the next raises at once: at most one thread per board
+        is ever left behind, and only when its store's host is unreachable."""
+        if self._stuck is not None and self._stuck.is_alive():
+            raise TimeoutError("the failure board's store is still not answering")
+        outcome: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                outcome["value"] = op()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                outcome["error"] = e
+
+        thread = threading.Thread(target=run, daemon=True, name="fullshard-failure-board")
+        thread.start()
+        thread.join(_OP_LIMIT_S)
+        if thread.is_alive():
+            self._stuck = thread
+            raise TimeoutError(f"the failure board's store did not answer in {_OP_LIMIT_S:g} s")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome.get("value")
 
     @classmethod
     def of_process_group(cls) -> Board | None:
@@ -131,15 +162,23 @@ class Board:
         return cls(store)
 
     def post(self, posted: Posted) -> None:
-        """Never raises."""
-        try:
+        """Never raises, never blocks for more than `_OP_LIMIT_S`."""
+
+        def op() -> None:
             n = self.store.add("count", 1)
             self.store.set(f"failure/{n}", json.dumps(asdict(posted)))
+
+        try:
+            self._bounded(op)
         except Exception:  # noqa: BLE001 - best effort
             pass
 
     def read(self) -> list[Posted]:
-        """Everything posted so far (raises on a store that does not answer)."""
+        """Everything posted so far (raises on a store that does not answer within
+        `_OP_LIMIT_S`)."""
+        return self._bounded(self._read)
+
+    def _read(self) -> list[Posted]:
         count = self.store.add("count", 0)
         found = []
         for n in range(1, count + 1):

@@ -163,9 +163,9 @@ class _Heartbeat:
         from fullshard.launch.subprocess_script import _say
 
         said = first.describe()
+        _say(f"rank {self.rank} is stopping the job: {said} (the first failure)")
         failures.record_failure(self.rank, self.local_rank, f"PeerFailed: {said}", first=said)
         board.post_own_failure(self.rank, self.local_rank, "stopped", f"PeerFailed: {said}")
-        _say(f"rank {self.rank} is stopping the job: {said} (the first failure)")
         os._exit(1)
 
     def _judge(self) -> None:
@@ -208,9 +208,10 @@ class _Heartbeat:
         from fullshard.launch.subprocess_script import _say
 
         message = f"rank {self.rank} is stopping the job: {verdict}"
+        # Said first: the post below may have to give up on a store that is cut off.
+        _say(message)
         failures.record_failure(self.rank, self.local_rank, f"SilentRank: {verdict}")
         board.post_own_failure(self.rank, self.local_rank, "stopped", f"SilentRank: {verdict}")
-        _say(message)
         os._exit(1)
 
     def mark_done(self) -> None:
