@@ -87,8 +87,8 @@ def install_rank_hooks(global_rank: int, local_rank: int) -> None:
         global _FAILED
         _FAILED = True
         first = None
+        cause = board.brief(short(exc))
         if exc_type is not KeyboardInterrupt:  # first, before the slow traceback printing
-            cause = board.brief(short(exc))
             board.post_own_failure(global_rank, local_rank, "raised", cause)
             if board.spans_nodes() and board.looks_like_lost_peer(cause):
                 # A consequence: wait a moment for the board to name the cause (a rank of
@@ -104,7 +104,7 @@ def install_rank_hooks(global_rank: int, local_rank: int) -> None:
             after = f", after {first.describe()} (the first failure)" if first else ""
             _say(
                 f"rank {global_rank} (local rank {local_rank}, pid {os.getpid()}) failed with "
-                f"{board.brief(short(exc))}{after}"
+                f"{cause}{after}"
             )
 
     sys.excepthook = hook

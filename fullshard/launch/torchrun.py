@@ -157,6 +157,8 @@ def _first_failure_on_board(error: Any, argv: Sequence[str], directory: str) -> 
             if r not in records and f.exitcode != -signal.SIGTERM]
     if node != 0 and not mute and any(rec.first for rec in records.values()):
         return None  # nothing to post, and this node's ranks learned the cause already
+    # torchelastic raises ChildFailedError only once the restarts are spent: the failing
+    # attempt is the last one, number --max-restarts.
     found = board.launcher_board(addr, int(port), int(_option(argv, "--max-restarts") or 0))
     if found is None:
         return None
