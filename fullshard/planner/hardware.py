@@ -10,6 +10,14 @@ Fields (SI units: FLOP/s, bytes/s, seconds, bytes):
     mem_efficiency    the fraction of it elementwise kernels reach
     op_overhead       fixed seconds per kernel (launch / dispatch; on GPUs mostly hidden by
                       asynchronous launches, on CPUs the eager dispatcher's cost)
+    attention_score_s seconds per attention score (profile.py) of a fused attention kernel,
+                      forward and backward together, beyond its FLOPs at the matmul rate: the
+                      softmax's exp, max and scaling per score and the kernel's blocking
+                      (measured by `--hardware local`; 0 in the presets, where the FLOPs
+                      dominate)
+    transcendental_s  seconds per element of a transcendental elementwise op (GELU, softmax,
+                      ...; profile.py), forward and backward together, beyond its bytes at
+                      mem_bandwidth (measured by `--hardware local`; 0 in the presets)
     unit_overhead     fixed seconds per unit per pass for the engine's hooks and bookkeeping
     param_overhead    fixed seconds per parameter of a unit per pass (the engine's work per
                       parameter: views installed and removed, gradients handed out; 0 in
@@ -67,6 +75,8 @@ class Hardware:
     ranks_per_node: int = 8
     mem_efficiency: float = 0.7
     op_overhead: float = 0.0
+    attention_score_s: float = 0.0
+    transcendental_s: float = 0.0
     unit_overhead: float = 0.0
     param_overhead: float = 0.0
     regather_overhead: float = 0.0

@@ -13,6 +13,10 @@ step waits for the slowest rank):
     mem_bandwidth   bytes/s of copying a 32 MiB tensor (read + write); mem_efficiency = 1
     op_overhead     seconds per kernel of a tiny transformer block (width 16, 4 tokens) run
                     forward and backward, over the kernels the profile counts (x 3)
+    attention_score_s  seconds per score of a causal fused attention (batch 4, 4 heads, 128
+                    tokens, head dim 64) forward and backward, less what the rest of the model
+                    prices it at (its FLOPs at peak_flops, bytes, kernels), per score
+    transcendental_s   the same per element of GELU forward and backward (512 x 512)
     optimizer_tensor_s, optimizer_byte_s   torch's AdamW step itself: on 64 tensors of 16
                     elements (per tensor) and on one tensor of 4 Mi elements, 16 MiB, beyond
                     the caches as a model's shards are (per byte)
@@ -102,11 +106,14 @@ def measure_compute(*, together: bool = False) -> dict[str, float]:
         dst = torch.empty_like(src)
         copy = _median_of(lambda: dst.copy_(src), together=together)
         ops = _op_seconds(together)
+        flops, bandwidth = 2 * 256 * 1024 * 1024 / mm, 2 * src.nbytes / copy
+        score, transcendental = _residual_seconds(together, flops, bandwidth, ops)
         per_tensor, per_byte = _adamw_seconds(together)
     finally:
         torch.set_num_threads(threads)
-    return {"flops": 2 * 256 * 1024 * 1024 / mm, "mem_bandwidth": 2 * src.nbytes / copy,
-            "op_overhead": ops, "optimizer_tensor_s": per_tensor, "optimizer_byte_s": per_byte}
+    return {"flops": flops, "mem_bandwidth": bandwidth, "op_overhead": ops,
+            "attention_score_s": score, "transcendental_s": transcendental,
+            "optimizer_tensor_s": per_tensor, "optimizer_byte_s": per_byte}
 
 
 def _op_seconds(together: bool) -> float:
@@ -128,6 +135,36 @@ def _op_seconds(together: bool) -> float:
         block(x).sum().backward()
 
     return _median_of(step, together=together) / kernels
+
+
+def _residual_seconds(together: bool, flops: float, bandwidth: float, op: float
+                      ) -> tuple[float, float]:
+    """(seconds per attention score, per transcendental element): a causal fused attention's
+    and a GELU's forward and backward, each less what `timing.py` charges it without these
+    two figures (its profile's FLOPs at `flops`, bytes at `bandwidth`, kernels at `op`, the
+    backward twice the forward), per score / element of its profile."""
+    from torch.nn import functional as F
+
+    from fullshard.planner.profile import _WorkCounter
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(4, 4, 128, 64, requires_grad=True) for _ in range(3))
+    x = torch.randn(512, 512, requires_grad=True)
+    cases = {
+        "attention": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum(),
+        "transcendental": lambda: F.gelu(x).sum(),
+    }
+    out = {}
+    for name, forward in cases.items():
+        counter = _WorkCounter([0], 1)
+        with counter:
+            forward()
+        priced = 3 * (counter.flops[0] / flops + counter.moved[0] / bandwidth
+                      + counter.ops[0] * op)
+        count = counter.scores[0] if name == "attention" else counter.transcendental[0]
+        seconds = _median_of(lambda f=forward: f().backward(), together=together)
+        out[name] = max(seconds - priced, 0.0) / count
+    return out["attention"], out["transcendental"]
 
 
 def _adamw_seconds(together: bool) -> tuple[float, float]:
@@ -213,7 +250,8 @@ def measure_ranks() -> dict[str, dict[str, float]]:
     return {"compute": measure_compute(together=True), "link": measure_link()}
 
 
-_WORST = {"flops": min, "mem_bandwidth": min, "op_overhead": max, "optimizer_tensor_s": max,
+_WORST = {"flops": min, "mem_bandwidth": min, "op_overhead": max, "attention_score_s": max,
+          "transcendental_s": max, "optimizer_tensor_s": max,
           "optimizer_byte_s": max, "latency": max, "bandwidth": min, "unit_overhead": max,
           "param_overhead": max, "regather_overhead": max, "regather_param_overhead": max}
 
@@ -247,6 +285,8 @@ def measure_local(*, link: dict[str, float] | None = None,
         matmul_efficiency=1.0, mem_bandwidth=compute["mem_bandwidth"], mem_efficiency=1.0,
         memory=_host_memory(), intra_bw=bandwidth, intra_latency=latency, inter_bw=bandwidth,
         inter_latency=latency, ranks_per_node=64, op_overhead=compute["op_overhead"],
+        attention_score_s=compute.get("attention_score_s", 0.0),
+        transcendental_s=compute.get("transcendental_s", 0.0),
         unit_overhead=unit, param_overhead=link.get("param_overhead", 0.0),
         regather_overhead=link.get("regather_overhead", 0.0),
         regather_param_overhead=link.get("regather_param_overhead", 0.0), overlap=0.5,

@@ -20,6 +20,13 @@ Work, counted by a `TorchDispatchMode` under the same forward (meta tensors: not
     moved bytes   for every other op, the bytes of its tensor inputs plus outputs (what a
                   memory-bound kernel reads and writes); views move nothing
     ops           the kernels launched (views excluded), for the fixed cost per op
+    scores        attention scores (one query-key product each; halved when causal, as the
+                  FLOPs): a fused kernel also runs the softmax over each (exp, max, scale),
+                  work its FLOPs do not count
+    transcendental  elements written by ops that evaluate exp / erf / tanh / log per element
+                  (`TRANSCENDENTAL`: GELU, SiLU, softmax, log-softmax, ...): on CPUs these run
+                  well below memory bandwidth (measured: ~2-4 ns per element, against ~0.3
+                  for a copy), so they are priced per element as well as by bytes
 
 Linear in the micro-batch for these models, so the search profiles one sequence and scales.
 """
@@ -38,6 +45,12 @@ from torch.utils.flop_counter import flop_registry
 from fullshard.engine.wrap import select_units
 from fullshard.planner.activations import ATTENTION, _FlashAttentionMode
 
+TRANSCENDENTAL = {
+    "gelu", "silu", "sigmoid", "tanh", "exp", "expm1", "log", "log1p", "erf", "erfc",
+    "_softmax", "_log_softmax", "softplus", "elu", "mish", "sin", "cos", "hardswish",
+}
+"""Ops (forward, by aten name) whose every output element costs a transcendental function."""
+
 _ATTENTION_OPS = {
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
@@ -55,6 +68,10 @@ class UnitProfile:
     flops: float
     moved_bytes: float
     ops: int
+    scores: float = 0.0
+    """Attention scores (causal: half), see the module docstring."""
+    transcendental: float = 0.0
+    """Elements written by `TRANSCENDENTAL` ops."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +97,8 @@ class _WorkCounter(TorchDispatchMode):
         self.flops = [0.0] * n
         self.moved = [0.0] * n
         self.ops = [0] * n
+        self.scores = [0.0] * n
+        self.transcendental = [0.0] * n
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -93,9 +112,11 @@ class _WorkCounter(TorchDispatchMode):
         if name in _ATTENTION_OPS:
             q, k = args[0], args[1]
             b_h = q.shape[:-2].numel()
-            flops = 4.0 * b_h * q.shape[-2] * k.shape[-2] * q.shape[-1]
+            scores = float(b_h * q.shape[-2] * k.shape[-2])
             causal = bool(kwargs.get("is_causal", args[4] if len(args) > 4 else False))
-            self.flops[i] += flops / 2 if causal else flops
+            half = 0.5 if causal else 1.0
+            self.flops[i] += 4.0 * scores * q.shape[-1] * half
+            self.scores[i] += scores * half
         elif packet in flop_registry:
             self.flops[i] += float(flop_registry[packet](*args, **kwargs, out_val=out))
         else:
@@ -104,6 +125,9 @@ class _WorkCounter(TorchDispatchMode):
                 if isinstance(t, torch.Tensor) and id(t) not in seen:
                     seen.add(id(t))
                     self.moved[i] += t.numel() * t.element_size()
+            if name in TRANSCENDENTAL:
+                self.transcendental[i] += sum(
+                    t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         return out
 
 
@@ -202,7 +226,8 @@ def profile_forward(
                 saved[0] += t.untyped_storage().nbytes()
     return ForwardProfile(batch, seq, tuple(
         UnitProfile(names[id(m)], saved[i], inputs_bytes[i], counter.flops[i],
-                    counter.moved[i], counter.ops[i])
+                    counter.moved[i], counter.ops[i], counter.scores[i],
+                    counter.transcendental[i])
         for i, m in enumerate(units)
     ))
 

@@ -3,6 +3,7 @@
 Compute, per unit and pass, from the forward profile (`profile.py`, scaled to the micro-batch):
 
     forward   flops / (peak * matmul_efficiency) + moved / (mem_bandwidth * mem_efficiency)
+              + (scores * attention_score_s + transcendental * transcendental_s) / 3
               + ops * op_overhead + unit_overhead + params * param_overhead
     backward  twice the forward's flops and moved bytes and ops (the usual 2x: one matmul for
               the input's gradient, one for the weight's), + unit_overhead
@@ -10,6 +11,9 @@ Compute, per unit and pass, from the forward profile (`profile.py`, scaled to th
     recompute one more forward in backward for a checkpointed unit
     regather  ZeRO-3 only, in backward: the engine's work to gather the unit again,
               regather_overhead + params * regather_param_overhead
+
+(`attention_score_s` and `transcendental_s` are measured for forward and backward together,
+so the forward carries a third of them and the backward, at twice the forward, the rest.)
 
 Communication, per bucket and collective. NCCL: an alpha-beta model of a ring over `n` ranks:
 
@@ -180,7 +184,9 @@ def unit_times(
             compute_dtype = precision.dtypes(b)[1]
             break
         rate = hardware.flops_rate(compute_dtype)
-        work = prof.flops * scale / rate + prof.moved_bytes * scale / mem
+        work = (prof.flops / rate + prof.moved_bytes / mem
+                + (prof.scores * hardware.attention_score_s
+                   + prof.transcendental * hardware.transcendental_s) / 3) * scale
         params = sum(len(b.shapes) for b in unit.buckets)
         fixed = hardware.unit_overhead + hardware.param_overhead * params  # the engine's own
         regather = hardware.regather_overhead + hardware.regather_param_overhead * params
