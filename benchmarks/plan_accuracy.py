@@ -10,11 +10,12 @@ demo's model, wrapped per block with BLOCK bucketing, AdamW -- for `--steps` ste
 the median of the steps after `--warmup` of the slowest rank. Just before and just after each
 configuration the same ranks measure this machine as `--hardware local` does
 (`planner.measure.measure_ranks`, all ranks at once: matmul FLOP/s, copy bandwidth, per-kernel
-cost, AdamW's step, the exchange latency and bandwidth, the engine's per-unit cost; the ranks'
-worst figures), and the mean of the two is the hardware of that prediction: on a shared
-machine the load drifts over minutes. The prediction is `fullshard.planner.predict(...)` for
-the same configuration on that measured hardware. Each rank trains `ceil(global batch / N)`
-sequences (3 ranks: A and B's 8 become 3 per rank).
+cost, fused attention per score and GELU per element, AdamW's step, the exchange latency and
+bandwidth, the engine's per-unit cost; the ranks' worst figures), and the mean of the two is
+the hardware of that prediction: on a shared machine the load drifts over minutes. The
+prediction is `fullshard.planner.predict(...)` for the same configuration on that measured
+hardware. Each rank trains `ceil(global batch / N)` sequences (3 ranks: A and B's 8 become 3
+per rank).
 
 Writes `<date>-<--name>.json` and `.md` into `--results-dir` (default
 `benchmarks/results/`). Run it alone (`flock -x /tmp/fullshard-bench.lock python ...`): the load
@@ -268,16 +269,18 @@ def render(record: dict) -> str:
                   f"{within} of {len(errors)} within 20%."]
     lines += ["", "Measured hardware per run (SI units; the mean of before and after):", "",
               "| config | strategy | N | peak_flops | mem_bandwidth | op_overhead | "
+              "attention_score_s | transcendental_s | "
               "optimizer_tensor_s | optimizer_byte_s | unit_overhead | param_overhead | "
               "regather_overhead | regather_param_overhead | intra_bw | intra_latency |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    keys = ("peak_flops", "mem_bandwidth", "op_overhead", "optimizer_tensor_s",
-            "optimizer_byte_s", "unit_overhead", "param_overhead", "regather_overhead",
-            "regather_param_overhead", "intra_bw", "intra_latency")
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    keys = ("peak_flops", "mem_bandwidth", "op_overhead", "attention_score_s",
+            "transcendental_s", "optimizer_tensor_s", "optimizer_byte_s", "unit_overhead",
+            "param_overhead", "regather_overhead", "regather_param_overhead", "intra_bw",
+            "intra_latency")
     for r in record["rows"]:
         hw = r["hardware"]
         lines.append(f"| {r['config']} | {r['strategy']} | {r['world']} | "
-                     + " | ".join(f"{hw[k]:.3g}" for k in keys) + " |")
+                     + " | ".join(f"{hw.get(k, 0.0):.3g}" for k in keys) + " |")
     return "\n".join(lines) + "\n"
 
 
