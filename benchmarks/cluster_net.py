@@ -285,6 +285,12 @@ class EmulatedCluster:
                               capture_output=True, text=True, check=True,
                               timeout=timeout).stdout
 
+    def pids(self, host: int) -> list[int]:
+        """The processes still running inside host `host`'s namespace."""
+        out = subprocess.run(["ip", "netns", "pids", self.host_ns[host]], capture_output=True,
+                             text=True).stdout
+        return [int(pid) for pid in out.split()]
+
     def counters(self, host: int) -> dict[str, int]:
         """Bytes and packets host `host`'s `eth0` sent and received so far (the veth's counters,
         /sys/class/net/eth0/statistics as seen inside the namespace)."""

@@ -64,9 +64,7 @@ def main() -> None:
         else:
             os.kill(rank_pids[args.victim], signal.SIGSTOP)
         ended = _wait_ends(procs, t0, args.watch, [0, 1])
-        workers = {host: subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
-                                        text=True).stdout.split()
-                   for host, ns in enumerate(net.host_ns)}
+        workers = {host: net.pids(host) for host in range(net.hosts)}
     print(f"{args.fault} of host {args.victim}, silence timeout {args.silence_timeout:g} s, "
           f"max restarts {args.max_restarts}, watched {args.watch:g} s")
     for host in range(2):

@@ -78,59 +78,71 @@ def _is_timeout(error: BaseException) -> bool:
 
 
 class _HeartbeatThread(threading.Thread):
-    """A heartbeat daemon with `stop()` (stops the whole heartbeat): Lightning's test fixtures
-    stop left-over daemon threads that way and then require them gone."""
+    """A heartbeat daemon with `stop()` (stops the whole heartbeat it belongs to): Lightning's
+    test fixtures stop left-over daemon threads that way and then require them gone."""
+
+    def __init__(self, owner: Heartbeat, target: Any, name: str) -> None:
+        super().__init__(target=target, daemon=True, name=name)
+        self.owner = owner
 
     def stop(self) -> None:
-        stop_heartbeat()
+        self.owner.halt()
 
 
-class _Heartbeat:
-    def __init__(self, store: Any, keep: Any, rank: int, local_rank: int, world: int,
-                 bound: float) -> None:
-        self.store, self._keep = store, keep  # `keep`: rank 0's store server stays up
-        self.rank, self.local_rank, self.world, self.bound = rank, local_rank, world, bound
+class Heartbeat:
+    """The beat, the watch and the verdict over one store, for the members `0..world-1` of a
+    job: the ranks of a process group (`_RankHeartbeat`) or the launchers of the nodes
+    (`node_silence.py`). Member 0 watches everyone, the others watch member 0 and read its
+    verdict; `_fail(verdict)` is what a member does when it finds one silent (it must not
+    return normally: it ends the process)."""
+
+    noun = "rank"
+    thread_name = "fullshard-heartbeat"
+
+    def __init__(self, store: Any, me: int, world: int, bound: float, *, me_said: str,
+                 store_said: str, bound_said: str) -> None:
+        self.store, self.me, self.world, self.bound = store, me, world, bound
+        self.me_said, self.store_said, self.bound_said = me_said, store_said, bound_said
         self.interval = min(5.0, max(0.2, bound / 10))
         self.stopped = threading.Event()
         self.last_answer = time.monotonic()
         self.store_gone = False
-        self.threads = [
-            _HeartbeatThread(target=self._loop, daemon=True, name="fullshard-heartbeat"),
-            _HeartbeatThread(target=self._judge, daemon=True, name="fullshard-heartbeat-judge"),
-        ]
+        self.threads = [_HeartbeatThread(self, self._loop, self.thread_name),
+                        _HeartbeatThread(self, self._judge, f"{self.thread_name}-judge")]
         self._seen: dict[int, tuple[int, float]] = {}  # peer -> (counter, when it moved)
-        # Its own connection to the failure board, read only where peers are on other nodes.
-        self.board = board.Board.of_process_group() if board.spans_nodes() else None
-        self._consequence_seen: float | None = None
+        self.board: board.Board | None = None  # read by `_loop` when set (`_RankHeartbeat`)
+
+    def start(self) -> None:
+        for thread in self.threads:
+            thread.start()
 
     def _watched(self) -> list[int]:
-        return [r for r in range(self.world) if r != self.rank] if self.rank == 0 else [0]
+        return [r for r in range(self.world) if r != self.me] if self.me == 0 else [0]
 
-    def _who(self, rank: int) -> str:
+    def _who(self, member: int) -> str:
         try:
-            return self.store.get(f"who/{rank}").decode()
+            return self.store.get(f"who/{member}").decode()
         except Exception:  # noqa: BLE001 - only for the message
-            return f"rank {rank}"
+            return f"{self.noun} {member}"
 
     def _loop(self) -> None:
         """The store traffic: beat, read the watched counters, post or read a verdict; every
-        `_BOARD_TICK_S`, read the failure board (`board.py`)."""
+        `_BOARD_TICK_S`, read the failure board (`board.py`) where there is one."""
         try:
-            self.store.set(f"who/{self.rank}", f"rank {self.rank} (host {socket.gethostname()}, "
-                                               f"pid {os.getpid()})")
+            self.store.set(f"who/{self.me}", self.me_said)
         except Exception:  # noqa: BLE001 - the judge below times the store
             pass
         tick = min(self.interval, _BOARD_TICK_S) if self.board is not None else self.interval
         next_beat = time.monotonic() + self.interval
         while not self.stopped.wait(tick):
-            posted = self._board_verdict()
+            posted = self._board_verdict() if self.board is not None else None
             if posted is not None and not self.stopped.is_set():
                 self._fail_after(posted)
             if time.monotonic() < next_beat:
                 continue
             next_beat = time.monotonic() + self.interval
             try:
-                self.store.add(f"beat/{self.rank}", 1)
+                self.store.add(f"beat/{self.me}", 1)
                 verdict = self._check()
                 self.last_answer = time.monotonic()
             except Exception as e:  # noqa: BLE001
@@ -140,6 +152,88 @@ class _Heartbeat:
                 continue  # no answer in time: the judge decides when that is silence
             if verdict and not self.stopped.is_set():
                 self._fail(verdict)
+
+    def _judge(self) -> None:
+        """A store op can block with no timeout of its own when the store's host is stopped or
+        cut off, so a second thread times the store's answers."""
+        while not self.stopped.wait(self.interval):
+            if self.store_gone:
+                return
+            silent_for = time.monotonic() - self.last_answer
+            if silent_for > self.bound and not self.stopped.is_set():
+                self._fail(f"{self.store_said} has not answered for {silent_for:.0f} s: that "
+                           f"host is stopped or cut off")
+
+    def _check(self) -> str | None:
+        if self.me != 0 and self.store.check(["verdict"]):
+            return self.store.get("verdict").decode()
+        now = time.monotonic()
+        for peer in self._watched():
+            count = self.store.add(f"beat/{peer}", 0)
+            before = self._seen.get(peer)
+            if before is None or count != before[0]:
+                self._seen[peer] = (count, now)
+                continue
+            if count > 0 and now - before[1] > self.bound:
+                if self.store.check([f"done/{peer}"]):
+                    continue
+                verdict = (f"{self._who(peer)} has not answered for {now - before[1]:.0f} s "
+                           f"({self.bound_said}): it is stopped, hung outside Python, or cut "
+                           f"off from the network")
+                if self.me == 0:
+                    self.store.set("verdict", verdict)
+                return verdict
+        return None
+
+    def _fail(self, verdict: str) -> None:
+        raise NotImplementedError  # ends the process
+
+    def _fail_after(self, first: board.Posted) -> None:
+        raise NotImplementedError  # only where a board is read
+
+    def _board_verdict(self) -> board.Posted | None:
+        return None
+
+    def mark_done(self) -> None:
+        try:
+            self.store.set(f"done/{self.me}", "1")
+        except Exception:  # noqa: BLE001 - the peers' stores may be gone already
+            pass
+
+    def stop(self, done: bool) -> None:
+        self.stopped.set()
+        if done:
+            self.mark_done()
+        for thread in self.threads:  # one blocked in a store op is left behind (daemon)
+            if thread is not threading.current_thread() and thread.is_alive():
+                thread.join(timeout=2 * self.interval + 1)
+
+    def halt(self) -> None:
+        """`stop()` of one of its threads: stop the whole heartbeat, this member done."""
+        self.stop(done=True)
+
+
+class _RankHeartbeat(Heartbeat):
+    """A rank's heartbeat over its process group's store; where the peers span several nodes
+    it also reads the failure board."""
+
+    def __init__(self, store: Any, keep: Any, rank: int, local_rank: int, world: int,
+                 bound: float) -> None:
+        super().__init__(
+            store, rank, world, bound,
+            me_said=f"rank {rank} (host {socket.gethostname()}, pid {os.getpid()})",
+            store_said=(f"the store at {os.environ.get('MASTER_ADDR', '?')}:"
+                        f"{os.environ.get('MASTER_PORT', '?')} (rank 0's host, or node 0's "
+                        f"launcher)"),
+            bound_said=f"silence bound {bound:g} s, {SILENCE_VAR}")
+        self._keep = keep  # rank 0's store server stays up
+        self.rank, self.local_rank = rank, local_rank
+        # Its own connection to the failure board, read only where peers are on other nodes.
+        self.board = board.Board.of_process_group() if board.spans_nodes() else None
+        self._consequence_seen: float | None = None
+
+    def halt(self) -> None:
+        stop_heartbeat()
 
     def _board_verdict(self) -> board.Posted | None:
         """Another rank's failure to stop for: a real one at once; when only consequences (a
@@ -168,42 +262,6 @@ class _Heartbeat:
         board.post_own_failure(self.rank, self.local_rank, "stopped", f"PeerFailed: {said}")
         os._exit(1)
 
-    def _judge(self) -> None:
-        """A store op can block with no timeout of its own when the store's host is stopped or
-        cut off, so a second thread times the store's answers."""
-        while not self.stopped.wait(self.interval):
-            if self.store_gone:
-                return
-            silent_for = time.monotonic() - self.last_answer
-            if silent_for > self.bound and not self.stopped.is_set():
-                self._fail(
-                    f"the store at {os.environ.get('MASTER_ADDR', '?')}:"
-                    f"{os.environ.get('MASTER_PORT', '?')} (rank 0's host, or node 0's "
-                    f"launcher) has not answered for {silent_for:.0f} s: that host is stopped "
-                    f"or cut off"
-                )
-
-    def _check(self) -> str | None:
-        if self.rank != 0 and self.store.check(["verdict"]):
-            return self.store.get("verdict").decode()
-        now = time.monotonic()
-        for peer in self._watched():
-            count = self.store.add(f"beat/{peer}", 0)
-            before = self._seen.get(peer)
-            if before is None or count != before[0]:
-                self._seen[peer] = (count, now)
-                continue
-            if count > 0 and now - before[1] > self.bound:
-                if self.store.check([f"done/{peer}"]):
-                    continue
-                verdict = (f"{self._who(peer)} has not answered for {now - before[1]:.0f} s "
-                           f"(silence bound {self.bound:g} s, {SILENCE_VAR}): it is stopped, "
-                           f"hung outside Python, or cut off from the network")
-                if self.rank == 0:
-                    self.store.set("verdict", verdict)
-                return verdict
-        return None
-
     def _fail(self, verdict: str) -> None:
         from fullshard.launch.subprocess_script import _say
 
@@ -214,22 +272,8 @@ class _Heartbeat:
         board.post_own_failure(self.rank, self.local_rank, "stopped", f"SilentRank: {verdict}")
         os._exit(1)
 
-    def mark_done(self) -> None:
-        try:
-            self.store.set(f"done/{self.rank}", "1")
-        except Exception:  # noqa: BLE001 - the peers' stores may be gone already
-            pass
 
-    def stop(self, done: bool) -> None:
-        self.stopped.set()
-        if done:
-            self.mark_done()
-        for thread in self.threads:  # one blocked in a store op is left behind (daemon)
-            if thread is not threading.current_thread() and thread.is_alive():
-                thread.join(timeout=2 * self.interval + 1)
-
-
-_HEARTBEAT: _Heartbeat | None = None
+_HEARTBEAT: _RankHeartbeat | None = None
 _LOCK = threading.Lock()
 
 
@@ -255,10 +299,9 @@ def start_heartbeat(rank: int, local_rank: int, *, timeout: float | None = None)
         except Exception:  # noqa: BLE001 - FileStore / HashStore: no detection
             return False
         store.set_timeout(timedelta(seconds=max(1.0, min(bound / 4, 10.0))))
-        _HEARTBEAT = _Heartbeat(dist.PrefixStore(_PREFIX, store), keep, rank, local_rank,
-                                world, bound)
-        for thread in _HEARTBEAT.threads:
-            thread.start()
+        _HEARTBEAT = _RankHeartbeat(dist.PrefixStore(_PREFIX, store), keep, rank, local_rank,
+                                    world, bound)
+        _HEARTBEAT.start()
     atexit.register(_at_exit)
     return True
 

@@ -26,6 +26,10 @@ enough on its own:
   process-group init (`FSDPStrategy` / `Fabric`) gives `init_process_group` that store under
   a per-attempt prefix (`attempt_store`). A plain script that calls `init_process_group`
   itself on several nodes keeps torch's behaviour.
+
+Silence between attempts (several nodes): the ranks' heartbeat does not run while a restarted
+attempt forms its process group, so the launchers beat too (`node_silence.py`): a node cut off
+before or during a restart ends the job within the silence bound plus a grace.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-from fullshard.launch import board, failures
+from fullshard.launch import board, failures, node_silence, silence
 from fullshard.launch.subprocess_script import AGENT_PID_VAR
 
 
@@ -109,8 +113,16 @@ def _run(argv: Sequence[str]) -> int:
     directory = failures.make_failure_directory()  # the workers inherit it
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # see the module doc
     os.environ[AGENT_PID_VAR] = str(os.getpid())  # the workers die with this process
+    watch = node_silence.watch_nodes(
+        _option(argv, "--master-addr"), _option(argv, "--master-port"),
+        int(_option(argv, "--node-rank") or 0), int(_option(argv, "--nnodes") or 1),
+        silence.silence_timeout())
     try:
-        torchrun_main(list(argv))
+        try:
+            torchrun_main(list(argv))
+        finally:
+            if watch is not None:  # this node is done: the others must not call it silent
+                watch.stop()
     except ChildFailedError as e:
         sys.stderr.write(f"{e}\n")
         remote = _first_failure_on_board(e, argv, directory)
