@@ -129,7 +129,8 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
                    help="seconds a worker gets to exit after SIGTERM before SIGKILL (default: 5)")
     p.add_argument("--silence-timeout", type=_seconds(positive=False), default=None,
                    metavar="S", help="a rank that stops answering (stopped, cut off) for S "
-                   "seconds makes the others fail, naming it; 0: off (default: 60, or "
+                   "seconds makes the others fail, naming it; on several machines a launcher "
+                   "silent for S + 5 s ends the job too; 0: off (default: 60, or "
                    "$FULLSHARD_SILENCE_TIMEOUT)")
     p.add_argument("-m", "--module", action="store_true",
                    help="run `script` as a module, like `python -m`")
