@@ -49,6 +49,18 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _end(procs: list[tuple[subprocess.Popen, Path]]) -> None:
+    """Kill the launchers and their workers (a worker is a session of its own)."""
+    for proc, pid_file in procs:
+        proc.kill()
+        proc.wait()
+        if pid_file.exists():
+            try:
+                os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+            except OSError:
+                pass
+
+
 def _beats(store: dist.Store, node: int) -> int:
     return dist.PrefixStore("fullshard/node-heartbeat/", store).add(f"beat/{node}", 0)
 
@@ -92,14 +104,7 @@ def test_a_silent_launcher_ends_the_others_and_a_done_one_does_not(tmp_path: Pat
             time.sleep(0.05)
         assert not _alive(worker0), "node 0's worker outlived its launcher"
     finally:
-        for proc, pid_file in procs:
-            proc.kill()
-            proc.wait()
-            if pid_file.exists():
-                try:
-                    os.killpg(int(pid_file.read_text()), signal.SIGKILL)
-                except OSError:
-                    pass
+        _end(procs)
 
     # 2. Node 1 ends on purpose (its torchrun returned): node 0 goes on.
     keys = dist.PrefixStore("fullshard/node-heartbeat/", store)
@@ -114,11 +119,4 @@ def test_a_silent_launcher_ends_the_others_and_a_done_one_does_not(tmp_path: Pat
         time.sleep(quiet)
         assert procs[0][0].poll() is None, procs[0][0].stderr.read()
     finally:
-        for proc, pid_file in procs:
-            proc.kill()
-            proc.wait()
-            if pid_file.exists():
-                try:
-                    os.killpg(int(pid_file.read_text()), signal.SIGKILL)
-                except OSError:
-                    pass
+        _end(procs)
