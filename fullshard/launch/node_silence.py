@@ -95,6 +95,9 @@ class NodeWatch:
 
         while not self._stopped.is_set():
             try:
+                # A bare TCP connection first: a TCPStore client that times out on a port
+                # nobody listens on yet logs a C++ stack trace into the user's output.
+                socket.create_connection((self.addr, self.port), timeout=_CONNECT_S).close()
                 store = dist.TCPStore(self.addr, self.port, is_master=False,
                                       timeout=timedelta(seconds=_CONNECT_S))
                 break
