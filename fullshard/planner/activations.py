@@ -22,7 +22,9 @@ per row. Activation checkpointing is not modelled.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +57,31 @@ class _FlashAttentionMode(TorchFunctionMode):
                 )
                 return out[0]
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def meta_autocast() -> Iterator[None]:
+    """Let a model's autocast calls through on the meta device: `torch.autocast("meta")` and
+    `torch.is_autocast_enabled("meta")` raise "unknown device type for autocast", and Hugging
+    Face's rotary embeddings (Llama, Mistral, Qwen, ...) call both with their input's device
+    type, to keep that part in float32. For the meta forward only, `torch`'s two names take
+    "meta" as "cpu" (whose autocast is off here); restored on exit."""
+    real_autocast, real_enabled = torch.autocast, torch.is_autocast_enabled
+
+    class _Autocast(real_autocast):  # type: ignore[misc, valid-type]
+        def __init__(self, device_type: str, *args: object, **kwargs: object) -> None:
+            super().__init__("cpu" if device_type == "meta" else device_type, *args, **kwargs)
+
+    def is_enabled(*args: object) -> bool:
+        if args and args[0] == "meta":
+            args = ("cpu", *args[1:])
+        return real_enabled(*args)
+
+    torch.autocast, torch.is_autocast_enabled = _Autocast, is_enabled
+    try:
+        yield
+    finally:
+        torch.autocast, torch.is_autocast_enabled = real_autocast, real_enabled
 
 
 def activation_bytes(
@@ -104,7 +131,7 @@ def activation_bytes(
 
     mode = _FlashAttentionMode() if attention == "flash" else None
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), meta_autocast():
             if mode is not None:
                 with mode:
                     out = model(*inputs) if isinstance(inputs, tuple) else model(inputs)

@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from fullshard.engine.wrap import select_units
-from fullshard.planner.activations import ATTENTION, _FlashAttentionMode
+from fullshard.planner.activations import ATTENTION, _FlashAttentionMode, meta_autocast
 
 TRANSCENDENTAL = {
     "gelu", "silu", "sigmoid", "tanh", "exp", "expm1", "log", "log1p", "erf", "erfc",
@@ -206,7 +206,7 @@ def profile_forward(
             inputs = torch.zeros(batch, seq, dtype=torch.long)
     counter = _WorkCounter(current, len(units))
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), meta_autocast():
             with _FlashAttentionMode() if attention == "flash" else _Null(), counter:
                 out = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
     except Exception as e:
