@@ -4,7 +4,8 @@ This file owns spawning, driving and reaping the worker processes that tests use
 to exercise collectives (gloo by default, so it runs on CPU-only machines).
 It knows nothing about the sharding engine.
 
-A :class:`DistributedGroup` spawns ``world_size`` processes once; each initializes
+A :class:`DistributedGroup` starts ``world_size`` processes once (forked from a server
+process that has imported torch, so a rank does not import it again: `_context`); each initializes
 its process group and then waits for work. ``group.run(fn, *args)`` runs a
 picklable top-level function on every rank and returns the per-rank results in
 rank order. A rank that raises, dies or hangs never hangs the caller: the group
@@ -29,7 +30,7 @@ Typical test module::
 
 The function runs as ``tests.distributed.test_x._whoami`` in the children, so the
 ``tests`` directories are packages and pytest puts the repo root on ``sys.path``
-(``pythonpath = ["."]``); spawned children inherit the parent's ``sys.path``.
+(``pythonpath = ["."]``); the children inherit the parent's ``sys.path``.
 Note that ``run`` reserves the keyword ``timeout`` for itself.
 """
 
