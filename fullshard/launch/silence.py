@@ -33,6 +33,10 @@ The bound: `FULLSHARD_SILENCE_TIMEOUT` seconds (`fullshard run --silence-timeout
 60; 0 turns detection off. Started by `install_rank_hooks` (fullshard's process-group init and
 `fsdp()`); at exit the rank is marked done first (`_at_exit`), and `stop_heartbeat` (after
 fullshard's exit barrier, or from `FSDPStrategy.teardown`) stops and joins both threads.
+
+The beat, the watch and the verdict (`Heartbeat`) serve the launchers of a multi-node job too,
+one member per node (`node_silence.py`); what a rank adds, the failure board and its way of
+failing, is `_RankHeartbeat`.
 """
 
 from __future__ import annotations
