@@ -163,11 +163,16 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not args.module and not os.path.exists(args.script):
         parser.error(f"the script {args.script!r} does not exist (from {os.getcwd()}); give a "
                      f"path to a Python file, or -m and a module name")
-    env = {}
-    if args.silence_timeout is not None:  # the workers read it (fullshard.launch.silence)
-        from fullshard.launch.silence import SILENCE_VAR
+    from fullshard.launch.silence import SILENCE_VAR, silence_timeout
 
+    env = {}
+    if args.silence_timeout is not None:  # the workers (and the launchers) read it
         env[SILENCE_VAR] = f"{args.silence_timeout:g}"
+    else:
+        try:
+            silence_timeout()  # a bad $FULLSHARD_SILENCE_TIMEOUT: one line, before any worker
+        except ValueError as e:
+            parser.error(str(e))
     return run_with_torchrun(argv, env=env)
 
 

@@ -63,6 +63,16 @@ def test_run_argument_errors(capsys, bad, said) -> None:
     assert err.startswith("fullshard run: error: ") and re.search(said, err), err
 
 
+def test_run_with_a_bad_silence_variable_is_one_line(capsys, monkeypatch) -> None:
+    """$FULLSHARD_SILENCE_TIMEOUT is read by the launcher too: a bad one is a usage error."""
+    monkeypatch.setenv("FULLSHARD_SILENCE_TIMEOUT", "abc")
+    with pytest.raises(SystemExit) as info:
+        cli_main(["run", str(SCRIPT)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("fullshard run: error: FULLSHARD_SILENCE_TIMEOUT='abc': expected"), err
+
+
 def test_run_of_a_missing_script_starts_nothing(tmp_path: Path) -> None:
     proc = subprocess.run([*FULLSHARD, "run", "--nproc-per-node", "2", "nope.py", "--x"],
                           cwd=tmp_path, env=child_env(), capture_output=True, text=True,
