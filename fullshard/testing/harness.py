@@ -165,8 +165,9 @@ def _context() -> Any:
     pools, OpenMP state) can deadlock, and CUDA cannot be forked. 'forkserver' with torch
     preloaded where it exists: a server process started once imports torch (and nothing
     else: fullshard reads some variables at import, which must be the caller's) and has run
-    no op, so forking it is safe, and a rank starts in a fraction of a second instead of the
-    ~2 s of a fresh interpreter importing torch. Elsewhere 'spawn'."""
+    no op, so forking it is safe. Measured here: a 2-rank group starts and closes in 0.3 s
+    (the first, which starts the server, in 2.0 s) against 2.2-2.5 s spawned, every time.
+    Elsewhere 'spawn'."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
