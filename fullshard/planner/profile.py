@@ -209,6 +209,7 @@ def profile_forward(
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), meta_autocast():
             with _FlashAttentionMode() if attention == "flash" else _Null(), counter:
                 out = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+                _count_loss(out, batch, seq)
     except Exception as e:
         raise ValueError(
             f"The meta-device forward of {type(model).__name__} on token ids of shape "
@@ -230,6 +231,23 @@ def profile_forward(
                     counter.transcendental[i])
         for i, m in enumerate(units)
     ))
+
+
+def _count_loss(out: object, batch: int, seq: int) -> None:
+    """Count the training loss as the root's work: a model whose output is logits
+    `(batch, seq, vocab)` (as such or as HF's `.logits`) is trained on a cross-entropy over
+    them computed outside it (benchmark loops, litgpt; HF models compute it inside only when
+    given labels, which the profile does not pass). Its log-softmax writes one element per
+    logit, a step cost on the order of a block's for small models with large vocabularies.
+    Under `no_grad`: it adds work, not saved bytes (the model's output is already counted as
+    alive until the loss is back-propagated)."""
+    logits = getattr(out, "logits", out)
+    if not (isinstance(logits, torch.Tensor) and logits.is_floating_point()
+            and logits.dim() == 3 and tuple(logits.shape[:2]) == (batch, seq)):
+        return
+    targets = torch.zeros(batch * seq, dtype=torch.long, device=logits.device)
+    with torch.no_grad():
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets)
 
 
 class _Null:

@@ -550,12 +550,43 @@ def test_attention_scores_and_transcendental_elements_are_priced():
                           auto_wrap_policy={Block})
     prof = profile_forward(small.module, small.policy, 1, 16)  # as _gloo_times
     # 4 heads, 16 tokens, causal: half the 4 x 16 x 16 scores; GELU over 16 x 256 elements;
-    # the root has neither (the loss's log-softmax runs outside the model).
-    assert [(u.scores, u.transcendental) for u in prof.units] == [(0, 0)] + [(512, 4096)] * 2
+    # the root has no attention, and the training loss's log-softmax (run outside the model
+    # on its logits, counted as the root's) writes one element per logit.
+    from fullshard.demo.data import VOCAB
+
+    assert [(u.scores, u.transcendental) for u in prof.units] == (
+        [(0, 16 * VOCAB)] + [(512, 4096)] * 2)
     for unit, a, b in zip(prof.units, free, costly):
         extra = unit.scores * 2e-8 + unit.transcendental * 3e-9
         assert b.forward - a.forward == pytest.approx(extra / 3, abs=1e-15)
         assert b.backward - a.backward == pytest.approx(2 * extra / 3, abs=1e-15)
+
+
+def test_the_loss_over_the_logits_is_priced_as_the_roots_work():
+    """A model that returns logits is trained on a cross-entropy computed outside it: the
+    profile counts that loss (one log-softmax element per logit) as the root's work and saves
+    nothing more for it; a model that returns anything else gets no loss."""
+    from fullshard.planner.profile import profile_forward
+
+    class Logits(torch.nn.Module):
+        def __init__(self, out: str) -> None:
+            super().__init__()
+            self.emb, self.head, self.out = torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50), out
+
+        def forward(self, ids):  # type: ignore[no-untyped-def]
+            logits = self.head(self.emb(ids))
+            return logits if self.out == "logits" else logits.mean()
+
+    def profile(out):  # type: ignore[no-untyped-def]
+        with torch.device("meta"):
+            model = Logits(out)
+        return profile_forward(model, None, 3, 7).units[0]
+
+    with_loss, without = profile("logits"), profile("mean")
+    assert with_loss.transcendental == 3 * 7 * 50 and without.transcendental == 0
+    assert with_loss.ops > without.ops and with_loss.moved_bytes > without.moved_bytes
+    # Both keep the same activations and their output (the logits, or the mean's one float).
+    assert with_loss.saved_bytes - 3 * 7 * 50 * 4 == without.saved_bytes - 4
 
 
 def test_hardware_presets_files_and_errors(tmp_path):
