@@ -6,16 +6,17 @@
 
 For each world size one group of gloo ranks (`fullshard.testing.DistributedGroup`, one torch
 thread per rank) trains each configuration -- the benchmark models A, B, S of `gpt.py` and the
-demo's model, wrapped per block with BLOCK bucketing, AdamW -- for `--steps` steps and takes
-the median of the steps after `--warmup` of the slowest rank. Just before and just after each
-configuration the same ranks measure this machine as `--hardware local` does
+demo's model, wrapped per block with BLOCK bucketing, AdamW, the cross-entropy loss outside the
+model -- for `--warmup` steps, then `--rounds` rounds of `--steps` steps. Before the first round
+and after each, the same ranks measure this machine as `--hardware local` does
 (`planner.measure.measure_ranks`, all ranks at once: matmul FLOP/s, copy bandwidth, per-kernel
 cost, fused attention per score and GELU per element, AdamW's step, the exchange latency and
-bandwidth, the engine's per-unit cost; the ranks' worst figures), and the mean of the two is
-the hardware of that prediction: on a shared machine the load drifts over minutes. The
-prediction is `fullshard.planner.predict(...)` for the same configuration on that measured
-hardware. Each rank trains `ceil(global batch / N)` sequences (3 ranks: A and B's 8 become 3
-per rank).
+bandwidth, the engine's per-unit cost; the ranks' worst figures). Each round is predicted on the
+mean of the measurements just before and just after it (`fullshard.planner.predict(...)`) and
+measured as the median step of the slowest rank: on a shared machine the load drifts within a
+minute, and a round pairs steps and hardware taken within seconds of each other. A row is the
+median over its rounds of both. Each rank trains `ceil(global batch / N)` sequences (3 ranks:
+A and B's 8 become 3 per rank).
 
 Writes `<date>-<--name>.json` and `.md` into `--results-dir` (default
 `benchmarks/results/`). Run it alone (`flock -x /tmp/fullshard-bench.lock python ...`): the load
@@ -61,20 +62,33 @@ def _vocab(model: torch.nn.Module) -> int:
     return next(m for m in model.modules() if isinstance(m, torch.nn.Embedding)).num_embeddings
 
 
-def time_run(configs: list[tuple[str, str]], steps: int, warmup: int) -> dict:
-    """On each rank: the measured hardware, then each (config, strategy)'s step times."""
+def _timed_step(model: torch.nn.Module, opt: torch.optim.Optimizer, data: list[torch.Tensor],
+                i: int) -> float:
+    """Seconds of one training step on `data[i % len(data)]`: forward, loss, backward, AdamW."""
     import torch.nn.functional as F
 
+    batch = data[i % len(data)]
+    t0 = time.perf_counter()
+    logits = model(batch[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return time.perf_counter() - t0
+
+
+def time_run(configs: list[tuple[str, str]], steps: int, warmup: int, rounds: int) -> dict:
+    """On each rank, for each (config, strategy): `warmup` steps, then `rounds` rounds of
+    `steps` steps, the machine measured between rounds (and before the first), so each
+    round's steps have a measurement just before and just after them."""
     import fullshard
     from fullshard.planner.measure import measure_ranks
 
     torch.set_num_threads(1)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     out: dict = {"runs": []}
-    after = measure_ranks()  # each measurement is the one after a run and before the next
     for config, strategy in configs:
         load = os.getloadavg()
-        before = after
         factory, seq, global_batch, block = _model_factory(config)
         per_rank = -(-global_batch // world)
         torch.manual_seed(0)
@@ -84,50 +98,56 @@ def time_run(configs: list[tuple[str, str]], steps: int, warmup: int) -> dict:
         gen = torch.Generator().manual_seed(rank)
         vocab = _vocab(model)
         data = [torch.randint(0, vocab, (per_rank, seq + 1), generator=gen) for _ in range(4)]
+
+        for i in range(warmup):
+            _timed_step(model, opt, data, i)
+        hardware = [measure_ranks()]
         times = []
-        for step in range(steps):
-            batch = data[step % len(data)]
-            t0 = time.perf_counter()
-            logits = model(batch[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            times.append(time.perf_counter() - t0)
+        for _ in range(rounds):
+            times.append([_timed_step(model, opt, data, i) for i in range(steps)])
+            hardware.append(measure_ranks())
         del model, opt
-        after = measure_ranks()
         out["runs"].append({"config": config, "strategy": strategy, "per_rank": per_rank,
-                            "seq": seq, "steps": times[warmup:], "load": load,
-                            "hardware": [before, after]})
+                            "seq": seq, "rounds": times, "load": load, "hardware": hardware})
     return out
 
 
 def predict_runs(world: int, ranks: list[dict]) -> list[dict]:
-    """Each run's prediction on the hardware its ranks measured just before and just after
-    it (the mean of the two, each the ranks' worst figures): the load drifts over minutes."""
+    """Each round's prediction on the hardware its ranks measured just before and just after
+    it (the mean of the two, each the ranks' worst figures), against that round's median step
+    of the slowest rank; a row is the median over its rounds of both."""
     from fullshard.planner.measure import measure_local, worst_of
     from fullshard.planner.predict import predict
 
     rows = []
     for i, run in enumerate(ranks[0]["runs"]):
-        around = [worst_of([r["runs"][i]["hardware"][k] for r in ranks]) for k in (0, 1)]
-        mean = {part: {key: (around[0][part][key] + around[1][part][key]) / 2
-                       for key in around[0][part]} for part in ("compute", "link")}
-        hw = measure_local(link=mean["link"], compute=mean["compute"])
-        measured = max(statistics.median(r["runs"][i]["steps"]) for r in ranks)
         factory, seq, _, block = _model_factory(run["config"])
-        e = predict(factory, world_size=world, strategy=run["strategy"],
-                    batch=run["per_rank"], seq=seq, hardware=hw, auto_wrap_policy={block},
-                    backend="gloo")
-        t = e.time
+        measured, predicted, rounds = [], [], []
+        for k in range(len(run["rounds"])):
+            around = [worst_of([r["runs"][i]["hardware"][j] for r in ranks]) for j in (k, k + 1)]
+            mean = {part: {key: (around[0][part][key] + around[1][part][key]) / 2
+                           for key in around[0][part]} for part in ("compute", "link")}
+            hw = measure_local(link=mean["link"], compute=mean["compute"])
+            e = predict(factory, world_size=world, strategy=run["strategy"],
+                        batch=run["per_rank"], seq=seq, hardware=hw, auto_wrap_policy={block},
+                        backend="gloo")
+            m = max(statistics.median(r["runs"][i]["rounds"][k]) for r in ranks)
+            measured.append(m)
+            predicted.append(e.time)
+            rounds.append({"measured_s": m, "predicted_s": e.time.step,
+                           "error": e.time.step / m - 1, "hardware": hw.to_dict()})
+        middle = sorted(range(len(rounds)), key=lambda k: predicted[k].step)[len(rounds) // 2]
+        t = predicted[middle]
+        step = statistics.median(measured)
         rows.append({"config": run["config"], "strategy": run["strategy"], "world": world,
-                     "per_rank_batch": run["per_rank"], "measured_s": measured,
-                     "predicted_s": t.step, "error": t.step / measured - 1,
+                     "per_rank_batch": run["per_rank"], "measured_s": step,
+                     "predicted_s": statistics.median(p.step for p in predicted),
                      "predicted_compute_s": t.compute, "predicted_exposed_s": t.exposed,
-                     "predicted_optimizer_s": t.optimizer,
-                     "predicted_comm_s": t.comm, "load": run["load"], "hardware": hw.to_dict(),
-                     "measured_before_after": around,
-                     "steps": [r["runs"][i]["steps"] for r in ranks]})
+                     "predicted_optimizer_s": t.optimizer, "predicted_comm_s": t.comm,
+                     "load": run["load"], "hardware": rounds[middle]["hardware"],
+                     "rounds": rounds,
+                     "steps": [r["runs"][i]["rounds"] for r in ranks]})
+        rows[-1]["error"] = rows[-1]["predicted_s"] / step - 1
     return rows
 
 
@@ -188,8 +208,10 @@ def main() -> None:
     p.add_argument("--configs", nargs="+", default=["A", "B", "S", "demo"])
     p.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
     p.add_argument("--worlds", nargs="+", type=int, default=[2, 3])
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5, help="steps per round")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of --steps steps per run, the machine measured between them")
+    p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--results-dir", default=str(HERE / "results"))
     p.add_argument("--name", default="plan_accuracy",
                    help="record name: <date>-<name>.json and .md")
@@ -211,7 +233,7 @@ def main() -> None:
     for world in args.worlds:
         with DistributedGroup(world) as group:
             ranks = group.run(plan_accuracy.time_run, configs, args.steps, args.warmup,
-                              timeout=3600.0)
+                              args.rounds, timeout=3600.0)
         world_rows = predict_runs(world, ranks)
         rows += world_rows
         for r in world_rows:
@@ -236,6 +258,12 @@ def main() -> None:
     print(render(record))
 
 
+def _spread(errors: list[float]) -> str:
+    if not errors:
+        return "-"
+    return f"[{min(errors):+.0%} to {max(errors):+.0%}]"
+
+
 def render(record: dict) -> str:
     m = record["machine"]
     lines = [
@@ -249,25 +277,29 @@ def render(record: dict) -> str:
         "the measured hardware and the measured steps alike.", "",
         "Predicted: `fullshard.planner.predict(...)` on the hardware measured by the same "
         "ranks (`planner.measure.measure_ranks`, what `--hardware local` measures, all ranks "
-        "at once) just before and just after each run, the mean of the two. Measured: median "
-        "step (forward, backward, AdamW) of the slowest rank after the warm-up steps. "
-        "error = predicted / measured - 1. load: the 1-minute load average as the run began.",
+        "at once) just before and just after each round of steps, the mean of the two. "
+        "Measured: the round's median step (forward, loss, backward, AdamW) of the slowest "
+        "rank. A row: the median over its rounds of each; error = predicted / measured - 1; "
+        "per round: each round's own error, [min-max]. load: the 1-minute load average as "
+        "the run began; the predicted parts are those of the median round.",
         "", "| config | strategy | N | batch/rank | load | measured ms | predicted ms | error | "
-        "pred. compute ms | pred. exposed comm ms | pred. optimizer ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "error per round | pred. compute ms | pred. exposed comm ms | pred. optimizer ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in record["rows"]:
         lines.append(
             f"| {r['config']} | {r['strategy']} | {r['world']} | {r['per_rank_batch']} | "
             f"{r['load'][0]:.1f} | {r['measured_s'] * 1e3:.1f} | {r['predicted_s'] * 1e3:.1f} | "
-            f"{r['error']:+.0%} | {r['predicted_compute_s'] * 1e3:.1f} | "
+            f"{r['error']:+.0%} | {_spread([x['error'] for x in r.get('rounds', [])])} | "
+            f"{r['predicted_compute_s'] * 1e3:.1f} | "
             f"{r['predicted_exposed_s'] * 1e3:.1f} | {r['predicted_optimizer_s'] * 1e3:.1f} |")
     errors = [abs(r["error"]) for r in record["rows"]]
     if errors:
         within = sum(e <= 0.2 for e in errors)
         lines += ["", f"|error| median {statistics.median(errors):.0%}, max {max(errors):.0%}; "
                   f"{within} of {len(errors)} within 20%."]
-    lines += ["", "Measured hardware per run (SI units; the mean of before and after):", "",
+    lines += ["", "Measured hardware per run (SI units; the median round's, the mean of before "
+              "and after it):", "",
               "| config | strategy | N | peak_flops | mem_bandwidth | op_overhead | "
               "attention_score_s | transcendental_s | "
               "optimizer_tensor_s | optimizer_byte_s | unit_overhead | param_overhead | "
