@@ -215,8 +215,8 @@ def pick_rate(net: EmulatedCluster, args: argparse.Namespace, scratch: Path) -> 
     """Calibrate: FULL_SHARD unshaped gives compute s/step and bytes per step; the rate that
     makes comm = compute."""
     net.set_rate(None)
-    rec = launch(net, "fullshard-full_shard-block", steps=args.steps, warmup=args.warmup,
-                 scratch=scratch)
+    rec = launch(net, "fullshard-full_shard-block", config=args.config, steps=args.steps,
+                 warmup=args.warmup, scratch=scratch)
     compute = cluster_report.step_time(rec)
     per_step = cluster_report.link_bytes_per_step(rec)
     mbit = per_step * 8 / compute / 1e6
@@ -233,8 +233,8 @@ def run_overlap(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
 
     def one(net: EmulatedCluster, impl: str, link: str, rep: int, nproc: int = 1) -> None:
         try:
-            rec = launch(net, impl, nproc=nproc, steps=args.steps, warmup=args.warmup,
-                         scratch=scratch)
+            rec = launch(net, impl, nproc=nproc, config=args.config, steps=args.steps,
+                         warmup=args.warmup, scratch=scratch)
         except RunFailed as e:
             failures.append({"impl": impl, "link": link, "rep": rep, "error": str(e)[-3000:]})
             print(f"  {impl} {link} rep {rep} FAILED: {str(e)[:300]}", flush=True)
@@ -247,6 +247,10 @@ def run_overlap(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
 
     try:
         with EmulatedCluster(2, rate_mbit=None) as net:
+            for host in range(net.hosts):
+                for kv in args.sysctl:
+                    net.run(host, ["sysctl", "-w", kv])
+            out["sysctl"] = list(args.sysctl)
             rate = args.rate_mbit
             if rate is None:
                 out["calibration"] = pick_rate(net, args, scratch)
@@ -268,8 +272,8 @@ def run_overlap(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
                         one(net, impl, "shaped", rep, nproc=2)
             refs = {}
             for world in sorted({r["world"] for r in records}):
-                refs[world] = reference(world, steps=args.steps, warmup=args.warmup,
-                                        scratch=scratch)
+                refs[world] = reference(world, config=args.config, steps=args.steps,
+                                        warmup=args.warmup, scratch=scratch)
             out["references"] = refs
     except KeyboardInterrupt:
         print("\ninterrupted: reporting the runs that finished")
@@ -307,6 +311,11 @@ def parse_args() -> argparse.Namespace:
     o.add_argument("--steps", type=int, default=10)
     o.add_argument("--warmup", type=int, default=3)
     o.add_argument("--impls", nargs="+", default=list(OVERLAP_IMPLS))
+    o.add_argument("--config", choices=("A", "B"), default="A",
+                   help="the benchmark GPT (benchmarks/gpt.py): A, or B (root 25%% of Psi)")
+    o.add_argument("--sysctl", action="append", default=[], metavar="KEY=VALUE",
+                   help="set in every host namespace first, e.g. "
+                        "net.ipv4.tcp_slow_start_after_idle=0 (repeatable)")
     o.add_argument("--no-hybrid", dest="hybrid", action="store_false",
                    help="skip HYBRID_SHARD vs FULL_SHARD on 2 hosts x 2 ranks")
     for q in (c, o):
@@ -329,7 +338,7 @@ def main() -> int:
         "python": platform.python_version(), "torch": torch.__version__,
         "git_commit": _git("rev-parse", "HEAD"),
         "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
-        "uptime_start": _uptime(), "config": "A", "micro_batch": 4,
+        "uptime_start": _uptime(), "config": getattr(args, "config", "A"), "micro_batch": 4,
     }
     start = time.perf_counter()
     try:

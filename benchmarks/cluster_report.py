@@ -200,12 +200,16 @@ def render_check(section: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+CONFIGS = {"A": "A (4 blocks x 256, Psi = 7,386,624; the root, embeddings and head, 57% of it)",
+           "B": "B (8 blocks x 512, Psi = 33,674,240; the root 25% of it)"}
+
 def render_overlap(section: dict[str, Any]) -> str:
     s = summarize_overlap(section)
     rate = section["rate_mbit"]
     out = ["## Overlap near the limit (2 hosts, 1 rank each)", "", *_meta_lines(section["meta"]),
            f"- link: {section['net']['shaping']}; TCP measured {section['link_mbit_measured']} "
-           f"Mbit/s", ""]
+           f"Mbit/s; sysctls in the hosts: {', '.join(section.get('sysctl') or ()) or 'defaults'}",
+           ""]
     if section.get("calibration"):
         c = section["calibration"]
         out.append(f"Rate chosen from a calibration run: FULL_SHARD unshaped "
@@ -236,8 +240,10 @@ def render_overlap(section: dict[str, Any]) -> str:
 
 
 def render(doc: dict[str, Any]) -> str:
+    config = next((doc[k]["meta"].get("config", "A") for k in ("overlap", "check") if k in doc),
+                  "A")
     parts = ["# fullshard on an emulated cluster (network namespaces, tbf-shaped veth links)\n",
-             "Config A (4 blocks x 256, Psi = 7,386,624), micro-batch 4 per rank, AdamW; "
+             f"Config {CONFIGS[config]}, micro-batch 4 per rank, AdamW; "
              "see benchmarks/README.md, \"On an emulated cluster\".\n"]
     if "check" in doc:
         parts.append(render_check(doc["check"]))
