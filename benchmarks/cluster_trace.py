@@ -217,6 +217,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--impl", default="fullshard-full_shard-block")
     p.add_argument("--rate-mbit", type=float, default=300)
+    p.add_argument("--config", choices=("A", "B"), default="A")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--step", type=int, default=-1, help="which step to render (default last)")
@@ -246,8 +247,8 @@ def main() -> int:
         extra = ["--trace", str(scratch)]
         for o in args.option:
             extra += ["--option", o]
-        rec = cluster.launch(net, args.impl, steps=args.steps, warmup=args.warmup,
-                             scratch=scratch, extra=tuple(extra))
+        rec = cluster.launch(net, args.impl, config=args.config, steps=args.steps,
+                             warmup=args.warmup, scratch=scratch, extra=tuple(extra))
         stop.write_text("")
         samp.wait(timeout=30)
         traces = [json.loads(f.read_text()) for f in sorted(scratch.glob("trace-rank*.json"))]

@@ -105,6 +105,11 @@ def main() -> None:
     cfg = dataclasses.replace(CONFIGS[args.config], global_batch=args.micro_batch * data_world)
     model = build_model(cfg)
     trainer = build_trainer(impl, model, world, args.micro_batch)
+    nice = int(os.environ.get("CLUSTER_NICE_COMPUTE", "0"))
+    if nice:
+        # Only this (the compute) thread: Linux's nice is per thread, and the process groups'
+        # IO threads, all started by now, keep theirs, so they preempt compute on a busy core.
+        os.nice(nice)
     engine = None
     if impl.family == "fullshard":
         import fullshard as engine
