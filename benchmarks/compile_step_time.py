@@ -18,6 +18,9 @@ with the model's default units (its blocks), AdamW, `--strategy` (FULL_SHARD) an
   `fullshard.api.compile_units`);
 - `compiled-root-eager`: `fullshard.fsdp(model)`, then `compile_units(model, backend=...)`:
   the same per-unit compile with the root's own code left eager;
+- `compiled-root-again`: `compile_units` as above, then `torch.compile(model)`: the units
+  compiled and the root's frames traced by dynamo (what `compiled` was before the root's
+  frame ran eagerly);
 - `compiled-after`: `torch.compile(fullshard.fsdp(model))`: the root compiled alone (what
   `compiled` was before per-unit compile, and what a model compiled after wrapping gets);
 - `compiled-units`: each block `torch.compile`d, then sharded (torchtitan's order);
@@ -57,7 +60,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-VARIANTS = ("eager", "compiled", "compiled-root-eager", "compiled-after", "compiled-units",
+VARIANTS = ("eager", "compiled", "compiled-root-eager", "compiled-root-again",
+            "compiled-after", "compiled-units",
             "ddp-eager", "ddp-compiled", "ddp-compiled-units", "fsdp2-eager", "fsdp2-compiled")
 
 
@@ -130,10 +134,12 @@ def _train(variant: str, config: str, strategy: str, bucketing: str, backend: st
     else:
         model = fullshard.fsdp(model, device="cpu", sharding_strategy=strategy,
                                bucketing_strategy=bucketing)
-        if variant == "compiled-root-eager":
+        if variant in ("compiled-root-eager", "compiled-root-again"):
             from fullshard.api.compile_units import compile_units
 
             compile_units(model, backend=backend)
+            if variant == "compiled-root-again":
+                model = torch.compile(model, backend=backend)
         elif variant == "compiled-after":
             model = torch.compile(model, backend=backend)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -180,6 +186,7 @@ def _gains(runs: dict[str, list[dict[str, Any]]]) -> dict[str, tuple[Any, Any, A
     out: dict[str, tuple[Any, Any, Any]] = {}
     ddp = None
     pairs = [("compiled", "eager"), ("compiled-root-eager", "eager"),
+             ("compiled-root-again", "eager"),
              ("compiled-after", "eager"), ("compiled-units", "eager"),
              ("ddp-compiled-units", "ddp-eager"), ("fsdp2-compiled", "fsdp2-eager")]
     if "ddp-eager" in runs and "ddp-compiled" in runs:
