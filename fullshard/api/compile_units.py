@@ -30,10 +30,10 @@ benchmark GPT), so dynamo cannot compile it whole: it skips the frame and compil
 each plain frame it calls -- an embedding, a LayerNorm, HF's mask helpers, the loss -- as a
 graph of its own. Each such fragment costs a guard check and the compiled-function wrappers
 forward and backward, more than the few eager ops it replaces: on HF GPT-2 (gpt2-tiny, 2
-ranks) the root compiled again ran 8 graphs with 4 breaks and a step 1-2 ms slower than
-with the root's frame eager (benchmarks/results/2026-12-03-compile_step_time-3.md: 1.35x
-against 1.25x DDP's gain; config A 0.75x against 0.68x; one process, no collectives, 1.7 ms
-per step in two runs). So `finish` gives the root an instance `forward` run under
+ranks) the root compiled again ran 8 graphs with 4 breaks, and compile saved nothing
+(compiled / eager 1.01) where with the root's frame eager it saves 2.6 ms of 28 (0.91;
+benchmarks/results/2026-12-04-compile_step_time.md; -3: config A 0.75x against 0.68x DDP's
+gain; one process, no collectives: 1.7 ms per step). So `finish` gives the root an instance `forward` run under
 `torch._dynamo.disable` (recursive): every frame it calls runs eagerly, except the units'
 compiled forwards, whose own compile context turns dynamo back on for them. A root whose
 `forward` is already an instance attribute (a user's patch) is left as it is.
