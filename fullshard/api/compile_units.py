@@ -33,10 +33,11 @@ forward and backward, more than the few eager ops it replaces: on HF GPT-2 (gpt2
 ranks) the root compiled again ran 8 graphs with 4 breaks, and compile saved nothing
 (compiled / eager 1.01) where with the root's frame eager it saves 2.6 ms of 28 (0.91;
 benchmarks/results/2026-12-04-compile_step_time.md; -3: config A 0.75x against 0.68x DDP's
-gain; one process, no collectives: 1.7 ms per step). So `finish` gives the root an instance `forward` run under
-`torch._dynamo.disable` (recursive): every frame it calls runs eagerly, except the units'
-compiled forwards, whose own compile context turns dynamo back on for them. A root whose
-`forward` is already an instance attribute (a user's patch) is left as it is.
+gain; one process, no collectives: 1.7 ms per step). So `finish` gives the root an instance
+`forward` run under `torch._dynamo.disable` (recursive): every frame it calls runs eagerly,
+except the units' compiled forwards, whose own compile context turns dynamo back on for
+them. A root whose `forward` is already an instance attribute (a user's patch) is left as
+it is.
 
 Compiling *after* wrapping (`torch.compile(fsdp(model))`) is left as torch does it: the root
 alone (what dynamo can of it; see above). `compile_units(model, **kw)` gives such a model the
