@@ -27,7 +27,8 @@ user who brings a compiled model gets:
 [Note: the root's frame runs eagerly]
 The root's forward calls the units, in a loop in every model we know (HF, litgpt, the
 benchmark GPT), so dynamo cannot compile it whole: it skips the frame and compiles instead
-each plain frame it calls -- an embedding, a LayerNorm, HF's mask helpers, the loss -- as a
+each frame of the model's own code that it calls -- HF's mask and position helpers, its
+output-capturing wrappers, the loss function (torch's modules it leaves alone) -- as a
 graph of its own. Each such fragment costs a guard check and the compiled-function wrappers
 forward and backward, more than the few eager ops it replaces: on HF GPT-2 (gpt2-tiny, 2
 ranks) the root compiled again ran 8 graphs with 4 breaks, and compile saved nothing
