@@ -3,7 +3,9 @@
 - a model compiled *before* `fsdp()` / `FSDPStrategy.setup_module_and_optimizers` (litgpt's
   order) comes back compiled with the same options around the sharded original, and each
   block (unit) has its `forward` compiled in place with them (`api.compile_units`: the order
-  that gains from compile as DDP does; names and state_dict keys unchanged);
+  that gains from compile as DDP does; names and state_dict keys unchanged); the root's own
+  frame runs eagerly, so it compiles no graphs of its own (a root whose code around the
+  loop runs in frames of its own, as HF's) and `fullgraph=True` works;
 - `compile_units(model)` after wrapping gives the same per-unit compile explicitly;
 - compiling *after* wrapping, and compiling each unit (torchtitan's per-block
   `torch.compile(block)` before sharding, or `block.compile()` after) work too;
@@ -92,8 +94,12 @@ def _case(how: str, strategy: str, backend: str) -> dict:
     ref = RootWithHelpers() if how == "before_root_code" else TinyGPT()
     model = copy.deepcopy(ref)
     opts = dict(device="cpu", sharding_strategy=strategy, bucketing_strategy="BLOCK")
-    if how in ("before", "before_root_code"):
-        model = fullshard.fsdp(torch.compile(model, backend=backend), **opts)
+    if how in ("before", "before_root_code", "before_fullgraph"):
+        # fullgraph=True: each unit's forward is one graph; the root's frame, which loops
+        # over the units, is not traced at all (compile_units.py), so nothing breaks
+        fullgraph = how == "before_fullgraph"
+        model = fullshard.fsdp(torch.compile(model, backend=backend, fullgraph=fullgraph),
+                               **opts)
         assert is_compiled(model) and uncompiled(model).fullshard_runtime is not None
         _assert_units_compiled(uncompiled(model), root_eager=True)
     elif how == "after":
@@ -202,7 +208,7 @@ class _Holder(nn.Module):
 def _aot_eager_cases() -> dict:
     out = {"eager_calls": {s: _eager_calls(s) for s in ("FULL_SHARD", "SHARD_GRAD_OP")}}
     for how, strategy in (("before", "FULL_SHARD"), ("before_root_code", "FULL_SHARD"),
-                          ("after", "SHARD_GRAD_OP"),
+                          ("before_fullgraph", "FULL_SHARD"), ("after", "SHARD_GRAD_OP"),
                           ("per_unit_before", "FULL_SHARD"), ("per_unit_after", "FULL_SHARD"),
                           ("compile_units", "FULL_SHARD"), ("strategy", "SHARD_GRAD_OP")):
         out[how] = _case(how, strategy, "aot_eager")
@@ -218,8 +224,8 @@ def aot_results(group2: DistributedGroup) -> list[dict]:
     return group2.run(_aot_eager_cases, timeout=600)
 
 
-HOWS = ("before", "before_root_code", "after", "per_unit_before", "per_unit_after",
-        "compile_units", "strategy")
+HOWS = ("before", "before_root_code", "before_fullgraph", "after", "per_unit_before",
+        "per_unit_after", "compile_units", "strategy")
 
 
 @pytest.mark.parametrize("how", HOWS)
@@ -285,5 +291,5 @@ def test_compiled_root_runs_only_the_units_graphs(aot_results: list[dict]) -> No
     # graphs of `compile_units`, which leaves the root uncompiled.
     for rank in aot_results:
         units_only = rank["compile_units"]["graphs_per_step"]
-        for how in ("before", "before_root_code", "strategy"):
+        for how in ("before", "before_root_code", "before_fullgraph", "strategy"):
             assert rank[how]["graphs_per_step"] == units_only, (how, rank[how], units_only)
