@@ -14,9 +14,13 @@ with the model's default units (its blocks), AdamW, `--strategy` (FULL_SHARD) an
 - `eager`: `fullshard.fsdp(model)`;
 - `compiled`: `fullshard.fsdp(torch.compile(model, backend=--backend))` (litgpt's order: the
   compiled model is unwrapped and sharded, each unit's forward compiled in place with the
-  same options and the root compiled again with them: `fullshard.api.compile_units`);
+  same options and the root compiled again with them, its own frame eager:
+  `fullshard.api.compile_units`);
 - `compiled-root-eager`: `fullshard.fsdp(model)`, then `compile_units(model, backend=...)`:
   the same per-unit compile with the root's own code left eager;
+- `compiled-root-again`: `compile_units` as above, then `torch.compile(model)`: the units
+  compiled and the root's frames traced by dynamo (what `compiled` was before the root's
+  frame ran eagerly);
 - `compiled-after`: `torch.compile(fullshard.fsdp(model))`: the root compiled alone (what
   `compiled` was before per-unit compile, and what a model compiled after wrapping gets);
 - `compiled-units`: each block `torch.compile`d, then sharded (torchtitan's order);
@@ -26,7 +30,10 @@ with the model's default units (its blocks), AdamW, `--strategy` (FULL_SHARD) an
 - `ddp-eager` / `ddp-compiled`: torch DDP on the same model, eager and
   `torch.compile(DDP(model))` (what Fabric does with a compiled model): the gain compile gives
   a model whose code all compiles, against which fullshard's gain is measured (issue 22: the
-  ratio compiled / eager within 5% of DDP's).
+  ratio compiled / eager within 5% of DDP's);
+- `ddp-compiled-units`: each block `torch.compile`d, then DDP: what DDP gains when the root's
+  own code (embeddings, HF's mask and loss code, head) runs eagerly, as it does under any
+  FSDP with eager hooks (a frame that loops over units cannot compile).
 
 Per step each rank times forward + loss + backward + optimizer step; the first `--warmup`
 steps (which include compilation) are not timed; a step's time is the max over ranks, and a
@@ -53,8 +60,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-VARIANTS = ("eager", "compiled", "compiled-root-eager", "compiled-after", "compiled-units",
-            "ddp-eager", "ddp-compiled", "fsdp2-eager", "fsdp2-compiled")
+VARIANTS = ("eager", "compiled", "compiled-root-eager", "compiled-root-again",
+            "compiled-after", "compiled-units",
+            "ddp-eager", "ddp-compiled", "ddp-compiled-units", "fsdp2-eager", "fsdp2-compiled")
 
 
 def _hf_configs() -> dict[str, Any]:
@@ -104,7 +112,7 @@ def _train(variant: str, config: str, strategy: str, bucketing: str, backend: st
     blocks = model.transformer.h if hf else model.blocks
     if variant == "compiled":
         model = torch.compile(model, backend=backend)
-    elif variant == "compiled-units":
+    elif variant in ("compiled-units", "ddp-compiled-units"):
         for i, block in enumerate(blocks):
             blocks[i] = torch.compile(block, backend=backend)
     if variant.startswith("ddp"):
@@ -126,10 +134,12 @@ def _train(variant: str, config: str, strategy: str, bucketing: str, backend: st
     else:
         model = fullshard.fsdp(model, device="cpu", sharding_strategy=strategy,
                                bucketing_strategy=bucketing)
-        if variant == "compiled-root-eager":
+        if variant in ("compiled-root-eager", "compiled-root-again"):
             from fullshard.api.compile_units import compile_units
 
             compile_units(model, backend=backend)
+            if variant == "compiled-root-again":
+                model = torch.compile(model, backend=backend)
         elif variant == "compiled-after":
             model = torch.compile(model, backend=backend)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -166,25 +176,29 @@ def _fmt(s: tuple[float, float, float] | None) -> str:
     return "-" if s is None else f"{s[0]:.3f} [{s[1]:.3f}-{s[2]:.3f}]"
 
 
-def _gains(runs: dict[str, list[dict[str, Any]]]) -> dict[str, tuple[Any, Any]]:
-    """Per compiled variant: compiled / eager median step time within each rep, and that
-    over DDP's compiled / eager of the same rep."""
+def _gains(runs: dict[str, list[dict[str, Any]]]) -> dict[str, tuple[Any, Any, Any]]:
+    """Per compiled variant, within each rep: compiled / eager median step time, that over
+    DDP's compiled / eager, and the milliseconds compile saved per step (eager - compiled)."""
     def med(variant: str, rep: int) -> float:
         return statistics.median(runs[variant][rep]["step_times"])
 
     reps = min(len(v) for v in runs.values()) if runs else 0
-    out: dict[str, tuple[Any, Any]] = {}
+    out: dict[str, tuple[Any, Any, Any]] = {}
     ddp = None
+    pairs = [("compiled", "eager"), ("compiled-root-eager", "eager"),
+             ("compiled-root-again", "eager"),
+             ("compiled-after", "eager"), ("compiled-units", "eager"),
+             ("ddp-compiled-units", "ddp-eager"), ("fsdp2-compiled", "fsdp2-eager")]
     if "ddp-eager" in runs and "ddp-compiled" in runs:
         ddp = [med("ddp-compiled", i) / med("ddp-eager", i) for i in range(reps)]
-        out["ddp-compiled"] = (_spread(ddp), None)
-    for variant, base in (("compiled", "eager"), ("compiled-root-eager", "eager"),
-                          ("compiled-after", "eager"), ("compiled-units", "eager"),
-                          ("fsdp2-compiled", "fsdp2-eager")):
+        pairs.insert(0, ("ddp-compiled", "ddp-eager"))
+    for variant, base in pairs:
         if variant in runs and base in runs:
             gain = [med(variant, i) / med(base, i) for i in range(reps)]
-            over = [g / d for g, d in zip(gain, ddp)] if ddp else []
-            out[variant] = (_spread(gain), _spread(over))
+            saved = [1e3 * (med(base, i) - med(variant, i)) for i in range(reps)]
+            over = ([g / d for g, d in zip(gain, ddp)]
+                    if ddp and variant != "ddp-compiled" else [])
+            out[variant] = (_spread(gain), _spread(over), _spread(saved))
     return out
 
 
@@ -276,10 +290,13 @@ def run_config(config: str, args: argparse.Namespace) -> tuple[list[str], dict[s
                      f"{r['graphs_after_warmup']} / {r['graphs_at_end']} | {r['graph_breaks']} |"
                      f" {diff} |")
     lines += ["", "Compile gain (compiled / eager, each against its own eager; per rep, "
-              "median [min-max]) and fullshard's gain over DDP's (target <= 1.05):", "",
-              "| variant | compiled / eager | / DDP's compiled / eager |", "|---|---|---|"]
-    for variant, (gain, over_ddp) in gains.items():
-        lines.append(f"| {variant} | {_fmt(gain)} | {_fmt(over_ddp)} |")
+              "median [min-max]), fullshard's gain over DDP's (target <= 1.05) and the "
+              "milliseconds compile saved per step (eager - compiled):", "",
+              "| variant | compiled / eager | / DDP's compiled / eager | ms saved per step |",
+              "|---|---|---|---|"]
+    for variant, (gain, over_ddp, saved) in gains.items():
+        ms = "-" if saved is None else f"{saved[0]:.1f} [{saved[1]:.1f} to {saved[2]:.1f}]"
+        lines.append(f"| {variant} | {_fmt(gain)} | {_fmt(over_ddp)} | {ms} |")
     return lines, {"rows": rows, "runs": runs}
 
 

@@ -1,4 +1,4 @@
-"""A model `torch.compile`d before sharding is compiled again unit by unit.
+"""A model `torch.compile`d before sharding is compiled again unit by unit, its root's frame eager.
 
 Why: fullshard's unit hooks run eagerly (`torch.compiler.disable`, engine/eager.py). When only
 the root is compiled again (`torch.compile(sharded_root)`), dynamo meets those hooks inside
@@ -12,17 +12,33 @@ user who brings a compiled model gets:
 - `fsdp(torch.compile(model, **kw))`, `FSDPStrategy.setup_module(...)` and hence
   `Fabric.setup(...)`: the `OptimizedModule` is unwrapped, its original sharded in place, then
   every unit but the root gets its `forward` compiled in place with the same options (the
-  same `dynamo_ctx`, i.e. `torch.compile(unit.forward, **kw)`), and the root is compiled
-  again as before (an `OptimizedModule` around the sharded root, same options: Lightning's
-  `_to_compiled`), so dynamo still compiles what of the root's own code it can.
+  same `dynamo_ctx`, i.e. `torch.compile(unit.forward, **kw)`), and the sharded root comes back
+  under an `OptimizedModule` with the same options (Lightning's `_to_compiled`), whose own
+  `forward` runs eagerly (see [Note: the root's frame runs eagerly]).
 - The unit's hooks stay outside its compiled `forward` (they run in `nn.Module.__call__`),
   as FSDP2 with a compiled block: nothing of the engine is traced, and a unit's forward
   compiles as one graph (with `fullgraph=True` too) shared by blocks of the same class.
 - Only an instance attribute `forward` is added: names, `state_dict` keys, hooks and the
   unit's class are unchanged. A unit whose `forward` is already an instance attribute
-  (fullshard's activation checkpointing, a user's patch) is left to the root's compile: its
-  forward calls into the engine during recomputation, which must not be traced. So is a unit
-  the user compiled already (an `OptimizedModule` block, torchtitan's order).
+  (fullshard's activation checkpointing, a user's patch) is left eager: its forward calls
+  into the engine during recomputation, which must not be traced. So is a unit the user
+  compiled already (an `OptimizedModule` block, torchtitan's order).
+
+[Note: the root's frame runs eagerly]
+The root's forward calls the units, in a loop in every model we know (HF, litgpt, the
+benchmark GPT), so dynamo cannot compile it whole: it skips the frame and compiles instead
+each frame of the model's own code that it calls -- HF's mask and position helpers, its
+output-capturing wrappers, the loss function (torch's modules it leaves alone) -- as a
+graph of its own. Each such fragment costs a guard check and the compiled-function wrappers
+forward and backward, more than the few eager ops it replaces: on HF GPT-2 (gpt2-tiny, 2
+ranks) the root compiled again ran 8 graphs with 4 breaks, and compile saved nothing
+(compiled / eager 1.01) where with the root's frame eager it saves 2.6 ms of 28 (0.91;
+benchmarks/results/2026-12-04-compile_step_time.md; -3: config A 0.75x against 0.68x DDP's
+gain; one process, no collectives: 1.7 ms per step). So `finish` gives the root an instance
+`forward` run under `torch._dynamo.disable` (recursive): every frame it calls runs eagerly,
+except the units' compiled forwards, whose own compile context turns dynamo back on for
+them. A root whose `forward` is already an instance attribute (a user's patch) is left as
+it is.
 
 Compiling *after* wrapping (`torch.compile(fsdp(model))`) is left as torch does it: the root
 alone (what dynamo can of it; see above). `compile_units(model, **kw)` gives such a model the
@@ -39,6 +55,7 @@ from torch import nn
 from fullshard.api.compiled import is_compiled, unwrap_compiled
 
 _MARK = "_fullshard_compiled_forward"
+_EAGER_ROOT = "_fullshard_eager_root_forward"
 
 Compiler = Callable[[Callable[..., Any]], Callable[..., Any]]
 
@@ -65,9 +82,9 @@ def compile_units(model: nn.Module, **compile_kwargs: Any) -> nn.Module:
 
 def unwrap_for_units(module: nn.Module) -> tuple[nn.Module, Callable[[nn.Module], nn.Module]]:
     """`(the model torch.compile wrapped, finish)`: `finish(sharded)` compiles each non-root
-    unit's forward with the model's compile options and returns the sharded root compiled
-    again with them (`api.compiled.unwrap_compiled`'s). A module that is not compiled:
-    `(module, identity)`."""
+    unit's forward with the model's compile options and returns the sharded root under an
+    `OptimizedModule` with them (`api.compiled.unwrap_compiled`'s), its own frame eager (see
+    the note on the root's frame). A module that is not compiled: `(module, identity)`."""
     contexts = []  # outermost first
     current = module
     while is_compiled(current):
@@ -84,6 +101,7 @@ def unwrap_for_units(module: nn.Module) -> tuple[nn.Module, Callable[[nn.Module]
 
     def finish(sharded: nn.Module) -> nn.Module:
         compile_unit_forwards(sharded, compiler)
+        run_root_eagerly(sharded)
         return recompile_root(sharded)
 
     return inner, finish
@@ -103,6 +121,18 @@ def compile_unit_forwards(model: nn.Module, compiler: Compiler) -> list[nn.Modul
         module.__dict__[_MARK] = True
         done.append(module)
     return done
+
+
+def run_root_eagerly(model: nn.Module) -> None:
+    """Give the sharded root an instance `forward` that dynamo does not trace, nor any frame
+    it calls but the units' compiled forwards (see [Note: the root's frame runs eagerly])."""
+    import torch
+
+    _check_sharded(model)
+    if _EAGER_ROOT in model.__dict__ or "forward" in model.__dict__:
+        return  # done, or the user's own instance forward
+    model.__dict__["forward"] = torch._dynamo.disable(model.forward, recursive=True)
+    model.__dict__[_EAGER_ROOT] = True
 
 
 def _check_sharded(model: nn.Module) -> Any:

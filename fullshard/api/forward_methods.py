@@ -101,15 +101,25 @@ def mark_forward_method(model: nn.Module, method: str | Callable[..., Any]) -> N
 
     @functools.wraps(original)
     def call_through_forward(*args: Any, **kwargs: Any) -> Any:
+        # an instance forward of the model's own (a compiled root's eager frame,
+        # api/compile_units.py) is put back, not dropped
+        own_forward = model.__dict__.get("forward")
+
+        def restore() -> None:
+            if own_forward is None:
+                model.__dict__.pop("forward", None)
+            else:
+                model.__dict__["forward"] = own_forward
+
         def redirected(*a: Any, **kw: Any) -> Any:
             # The method may call self.forward itself: restore it before running the method.
-            model.__dict__.pop("forward", None)
+            restore()
             return original(model, *a, **kw)
 
         model.__dict__["forward"] = redirected
         try:
             return model(*args, **kwargs)
         finally:
-            model.__dict__.pop("forward", None)
+            restore()
 
     object.__setattr__(model, name, call_through_forward)

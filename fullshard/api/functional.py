@@ -114,8 +114,9 @@ def fsdp(
     After the call, `model.named_parameters()` yields this rank's shards under the original
     names: build the optimizer afterwards. Gradients are averaged over all ranks, as DDP does.
     A `torch.compile`d model is unwrapped, its original sharded in place, every unit but the
-    root gets its `forward` compiled in place with the same options, and the root is compiled
-    again with them (see `fullshard.api.compile_units`: compiling the root alone gains less).
+    root gets its `forward` compiled in place with the same options, and the root comes back
+    compiled with them, its own frame eager (see `fullshard.api.compile_units`: dynamo cannot
+    compile a frame that loops over units, and the fragments it compiles instead cost more).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fsdp() expects an nn.Module, got {type(model).__name__}")

@@ -291,8 +291,9 @@ class FSDPStrategy(RankPlacement):
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Shard `module` in place with this strategy's options and return it. A compiled
         module: its original is sharded, each unit but the root compiled in place and the root
-        compiled again, all with its options (`fullshard.api.compile_units`); a module
-        compiled after it was sharded is returned as it is (the root compiled alone)."""
+        compiled again (its own frame eager), all with its options
+        (`fullshard.api.compile_units`); a module compiled after it was sharded is returned as
+        it is (the root compiled alone)."""
         if isinstance(uncompiled(module), FullyShardedModule):
             inner, recompile = unwrap_compiled(module)
             return recompile(inner)

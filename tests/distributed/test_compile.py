@@ -3,7 +3,9 @@
 - a model compiled *before* `fsdp()` / `FSDPStrategy.setup_module_and_optimizers` (litgpt's
   order) comes back compiled with the same options around the sharded original, and each
   block (unit) has its `forward` compiled in place with them (`api.compile_units`: the order
-  that gains from compile as DDP does; names and state_dict keys unchanged);
+  that gains from compile as DDP does; names and state_dict keys unchanged); the root's own
+  frame runs eagerly, so it compiles no graphs of its own (a root whose code around the
+  loop runs in frames of its own, as HF's) and `fullgraph=True` works;
 - `compile_units(model)` after wrapping gives the same per-unit compile explicitly;
 - compiling *after* wrapping, and compiling each unit (torchtitan's per-block
   `torch.compile(block)` before sharding, or `block.compile()` after) work too;
@@ -65,19 +67,41 @@ def _eager_calls(strategy: str) -> dict[str, int]:
     return {**calls, "peak": fullshard.memory_stats()["peak_unsharded_bytes"]}
 
 
+class RootWithHelpers(TinyGPT):
+    """TinyGPT whose root code around the loop runs in frames of its own, as HF's mask,
+    position and loss helpers do: frames dynamo compiles as graphs of their own when it
+    skips the root's frame (torch's own modules it leaves alone)."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self._embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self._project(x)
+
+    def _embed(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+
+    def _project(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))
+
+
 def _case(how: str, strategy: str, backend: str) -> dict:
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()  # each case compiles TinyGPT.forward afresh
     counters.clear()
     torch.manual_seed(0)
-    ref = TinyGPT()
+    ref = RootWithHelpers() if how == "before_root_code" else TinyGPT()
     model = copy.deepcopy(ref)
     opts = dict(device="cpu", sharding_strategy=strategy, bucketing_strategy="BLOCK")
-    if how == "before":
-        model = fullshard.fsdp(torch.compile(model, backend=backend), **opts)
+    if how in ("before", "before_root_code", "before_fullgraph"):
+        # fullgraph=True: each unit's forward is one graph; the root's frame, which loops
+        # over the units, is not traced at all (compile_units.py), so nothing breaks
+        fullgraph = how == "before_fullgraph"
+        model = fullshard.fsdp(torch.compile(model, backend=backend, fullgraph=fullgraph),
+                               **opts)
         assert is_compiled(model) and uncompiled(model).fullshard_runtime is not None
-        _assert_units_compiled(uncompiled(model))
+        _assert_units_compiled(uncompiled(model), root_eager=True)
     elif how == "after":
         model = torch.compile(fullshard.fsdp(model, **opts), backend=backend)
     elif how == "per_unit_before":  # torchtitan: compile each block, then shard
@@ -102,7 +126,7 @@ def _case(how: str, strategy: str, backend: str) -> dict:
         model, _, _ = strategy_obj.setup_module_and_optimizers(compiled, [])
         assert is_compiled(model) and model is not compiled
         assert model.dynamo_ctx is compiled.dynamo_ctx  # the same compile options
-        _assert_units_compiled(uncompiled(model))
+        _assert_units_compiled(uncompiled(model), root_eager=True)
     else:
         raise ValueError(how)
     graphs_per_step: list[int] = []
@@ -125,13 +149,18 @@ def _case(how: str, strategy: str, backend: str) -> dict:
             "graph_breaks": {k.split("\n")[0][:80]: v for k, v in counters["graph_break"].items()}}
 
 
-def _assert_units_compiled(model: nn.Module) -> None:
+def _assert_units_compiled(model: nn.Module, root_eager: bool = False) -> None:
     """Each block's forward compiled in place (an instance attribute dynamo made), the root's
-    not; the names are the unwrapped model's."""
+    not: left as it is by `compile_units`, run under `torch._dynamo.disable` by a compiled
+    model's unwrap (compile_units.py, the root's frame); the names are the unwrapped model's."""
     for block in model.blocks:
         compiled = block.__dict__.get("forward")
         assert getattr(compiled, "_torchdynamo_orig_callable", None) is not None, compiled
-    assert "forward" not in model.__dict__
+    if root_eager:
+        root_forward = model.__dict__["forward"]
+        assert getattr(root_forward, "_torchdynamo_disable_recursive", False), root_forward
+    else:
+        assert "forward" not in model.__dict__
     assert not any("_orig_mod" in n for n, _ in model.named_parameters())
 
 
@@ -178,7 +207,8 @@ class _Holder(nn.Module):
 
 def _aot_eager_cases() -> dict:
     out = {"eager_calls": {s: _eager_calls(s) for s in ("FULL_SHARD", "SHARD_GRAD_OP")}}
-    for how, strategy in (("before", "FULL_SHARD"), ("after", "SHARD_GRAD_OP"),
+    for how, strategy in (("before", "FULL_SHARD"), ("before_root_code", "FULL_SHARD"),
+                          ("before_fullgraph", "FULL_SHARD"), ("after", "SHARD_GRAD_OP"),
                           ("per_unit_before", "FULL_SHARD"), ("per_unit_after", "FULL_SHARD"),
                           ("compile_units", "FULL_SHARD"), ("strategy", "SHARD_GRAD_OP")):
         out[how] = _case(how, strategy, "aot_eager")
@@ -194,7 +224,8 @@ def aot_results(group2: DistributedGroup) -> list[dict]:
     return group2.run(_aot_eager_cases, timeout=600)
 
 
-HOWS = ("before", "after", "per_unit_before", "per_unit_after", "compile_units", "strategy")
+HOWS = ("before", "before_root_code", "before_fullgraph", "after", "per_unit_before",
+        "per_unit_after", "compile_units", "strategy")
 
 
 @pytest.mark.parametrize("how", HOWS)
@@ -249,3 +280,16 @@ def test_compile_units_rejects_what_it_cannot_compile() -> None:
         compile_units(nn.Linear(2, 2))
     with pytest.raises(TypeError, match="not a torch.compile'd one"):
         compile_units(torch.compile(nn.Linear(2, 2), backend="eager"))
+
+
+def test_compiled_root_runs_only_the_units_graphs(aot_results: list[dict]) -> None:
+    # A model compiled before sharding comes back with the root's own frame eager
+    # (compile_units.py, [Note: the root's frame runs eagerly]): compiled again, dynamo
+    # skipped the root's frame (its loop over the units) and compiled the plain frames it
+    # calls -- HF's mask and loss helpers, here RootWithHelpers' -- as graphs of their own,
+    # each costing more per step than the eager ops it replaced. So it runs exactly the
+    # graphs of `compile_units`, which leaves the root uncompiled.
+    for rank in aot_results:
+        units_only = rank["compile_units"]["graphs_per_step"]
+        for how in ("before", "before_root_code", "before_fullgraph", "strategy"):
+            assert rank[how]["graphs_per_step"] == units_only, (how, rank[how], units_only)

@@ -348,6 +348,24 @@ def test_mark_forward_method_routes_through_the_forward_hooks() -> None:
     assert fullshard.CSVLogger is CSVLogger
 
 
+def test_mark_forward_method_keeps_an_instance_forward() -> None:
+    # A compiled model's sharded root runs an instance `forward` (api/compile_units.py, the
+    # root's frame eager): a marked method's call leaves it in place, and the method's own
+    # `self.forward` calls reach it.
+    model = WithGenerate()
+    attach(model)
+    seen = []
+
+    def own_forward(x):
+        seen.append(x.shape)
+        return model.lin(x)
+
+    model.__dict__["forward"] = own_forward
+    model.mark_forward_method("generate")
+    model.generate(torch.ones(1, 2), times=2)
+    assert seen == [(1, 2), (1, 2)] and model.__dict__["forward"] is own_forward
+
+
 # -- Lightning conformance: what Lightning's own FSDP tests pin (issue 22 item 5) ---------------
 def test_strategy_attributes_are_torchs_own_types() -> None:
     from torch.distributed.fsdp import CPUOffload as TorchOffload
