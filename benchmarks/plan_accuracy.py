@@ -136,18 +136,17 @@ def predict_runs(world: int, ranks: list[dict]) -> list[dict]:
             predicted.append(e.time)
             rounds.append({"measured_s": m, "predicted_s": e.time.step,
                            "error": e.time.step / m - 1, "hardware": hw.to_dict()})
+        # The median round's prediction (the upper middle for an even count), with its parts.
         middle = sorted(range(len(rounds)), key=lambda k: predicted[k].step)[len(rounds) // 2]
-        t = predicted[middle]
-        step = statistics.median(measured)
+        t, step = predicted[middle], statistics.median(measured)
         rows.append({"config": run["config"], "strategy": run["strategy"], "world": world,
                      "per_rank_batch": run["per_rank"], "measured_s": step,
-                     "predicted_s": statistics.median(p.step for p in predicted),
+                     "predicted_s": t.step, "error": t.step / step - 1,
                      "predicted_compute_s": t.compute, "predicted_exposed_s": t.exposed,
                      "predicted_optimizer_s": t.optimizer, "predicted_comm_s": t.comm,
                      "load": run["load"], "hardware": rounds[middle]["hardware"],
                      "rounds": rounds,
                      "steps": [r["runs"][i]["rounds"] for r in ranks]})
-        rows[-1]["error"] = rows[-1]["predicted_s"] / step - 1
     return rows
 
 

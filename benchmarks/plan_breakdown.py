@@ -90,22 +90,27 @@ def measure(config: str, steps: int, rounds: int) -> dict:
 
 
 def model_compute(config: str, batch: int, hardware) -> float:  # type: ignore[no-untyped-def]
-    """The planner's forward + backward of the model alone on `hardware` (no engine costs)."""
+    """The planner's forward + backward of the model alone on `hardware`: `timing.unit_times`
+    of one rank with the engine's own costs set to 0 (no exchanges, no hooks)."""
+    import dataclasses
+
     from plan_accuracy import _model_factory
 
+    from fullshard.config import FSDPBucketingStrategy
+    from fullshard.planner.estimate import resolve_precision_spec
     from fullshard.planner.model_spec import resolve_model
     from fullshard.planner.profile import profile_forward
+    from fullshard.planner.structure import model_structure
+    from fullshard.planner.timing import unit_times
 
     factory, seq, _, block = _model_factory(config)
     resolved = resolve_model(factory, auto_wrap_policy={block})
-    prof = profile_forward(resolved.module, resolved.policy, 1, seq)
-    total = 0.0
-    for u in prof.units:
-        work = (u.flops / hardware.peak_flops + u.moved_bytes / hardware.mem_bandwidth
-                + (u.scores * hardware.attention_score_s
-                   + u.transcendental * hardware.transcendental_s) / 3) * batch
-        total += 3 * (work + u.ops * hardware.op_overhead)  # forward, and backward at 2x
-    return total
+    structure = model_structure(resolved.module, resolved.policy, FSDPBucketingStrategy.BLOCK)
+    profile = profile_forward(resolved.module, resolved.policy, 1, seq)
+    bare = dataclasses.replace(hardware, unit_overhead=0.0, param_overhead=0.0)
+    times = unit_times(structure, profile, batch, (1, 1), resolve_precision_spec("32-true"),
+                       bare, backend="gloo")
+    return sum(t.forward + t.backward for t in times)
 
 
 def main() -> None:
