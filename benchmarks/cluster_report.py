@@ -200,8 +200,17 @@ def render_check(section: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-CONFIGS = {"A": "A (4 blocks x 256, Psi = 7,386,624; the root, embeddings and head, 57% of it)",
-           "B": "B (8 blocks x 512, Psi = 33,674,240; the root 25% of it)"}
+
+def describe_config(name: str) -> str:
+    """'A (4 blocks x 256, Psi = 7,386,624; the root 57% of it)', from `gpt.py` itself."""
+    from gpt import CONFIGS, param_count
+    from impls import root_numel
+
+    cfg = CONFIGS[name]
+    psi = param_count(cfg)
+    return (f"{name} ({cfg.layers} blocks x {cfg.dim}, Psi = {psi:,}; the root, embeddings and "
+            f"head, {root_numel(cfg) / psi:.0%} of it)")
+
 
 def render_overlap(section: dict[str, Any]) -> str:
     s = summarize_overlap(section)
@@ -243,7 +252,7 @@ def render(doc: dict[str, Any]) -> str:
     config = next((doc[k]["meta"].get("config", "A") for k in ("overlap", "check") if k in doc),
                   "A")
     parts = ["# fullshard on an emulated cluster (network namespaces, tbf-shaped veth links)\n",
-             f"Config {CONFIGS[config]}, micro-batch 4 per rank, AdamW; "
+             f"Config {describe_config(config)}, micro-batch 4 per rank, AdamW; "
              "see benchmarks/README.md, \"On an emulated cluster\".\n"]
     if "check" in doc:
         parts.append(render_check(doc["check"]))
