@@ -51,6 +51,11 @@ class Impl:
     parameters than `comm_words` counts (see `analytic_comm_words`)."""
     fsdp2: str = FSDP2_REFERENCE
     """The FSDP2 implementation this one's "/ FSDP2" ratio is taken against."""
+    split_root: bool = False
+    """torchtitan's units: the token embedding and the LM head units of their own, the head
+    kept gathered from its forward into its backward (what it runs first), the root left
+    with the position embedding and the final norm. Gathered once per step: the root and
+    the head (see `analytic_comm_words`)."""
 
 
 def root_numel(cfg: GPTConfig) -> int:
@@ -61,6 +66,8 @@ def root_numel(cfg: GPTConfig) -> int:
 
 def analytic_comm_words(impl: Impl, cfg: GPTConfig) -> float:
     """Ring bytes per rank and step are this * Psi*(N-1)/N * 4."""
+    if impl.split_root:  # everything but the token embedding is gathered once
+        return impl.comm_words - (root_numel(cfg) - cfg.vocab * cfg.dim) / param_count(cfg)
     if not impl.root_gathered_once:
         return impl.comm_words
     return impl.comm_words - root_numel(cfg) / param_count(cfg)
@@ -82,6 +89,12 @@ def _fullshard_impls() -> list[Impl]:
              threads=1, comm_words=3, sharded_state=True, fsdp2="fsdp2-reshard",
              options={"sharding_strategy": "FULL_SHARD", "bucketing_strategy": "BLOCK",
                       "reshard_after_forward": True})
+    ] + [  # torchtitan's units, against FSDP2 wrapped the same way
+        Impl("fullshard-full_shard-split", "fullshard",
+             "fullshard FULL_SHARD, bucketing BLOCK, embedding and head units (head kept)",
+             nproc=2, threads=1, comm_words=3, sharded_state=True, fsdp2="fsdp2-split",
+             options={"sharding_strategy": "FULL_SHARD", "bucketing_strategy": "BLOCK"},
+             split_root=True)
     ] + [  # the engine's own cost: one process, a group of one, against single-t1
         Impl(f"fullshard-ws1-{b.lower()}", "fullshard",
              f"fullshard FULL_SHARD, world size 1, bucketing {b}", nproc=1, threads=1,
@@ -107,6 +120,9 @@ IMPLS: list[Impl] = [
     Impl("fsdp2-noreshard", "fsdp2", "torch FSDP2, reshard_after_forward=False", nproc=2,
          threads=1, comm_words=2, sharded_state=True, options={"reshard_after_forward": False},
          fsdp2="fsdp2-noreshard"),
+    Impl("fsdp2-split", "fsdp2", "torch FSDP2, embedding and head units (head kept)",
+         nproc=2, threads=1, comm_words=3, sharded_state=True, fsdp2="fsdp2-split",
+         options={"reshard_after_forward": None}, split_root=True),
     Impl("deepspeed-z3", "deepspeed", "DeepSpeed ZeRO-3 (true ZeRO-3 knobs, no clipping)",
          nproc=2, threads=1, comm_words=3, sharded_state=True),
     *_fullshard_impls(),
@@ -185,8 +201,12 @@ def _fsdp2(impl: Impl, model: nn.Module, world: int) -> Trainer:
 
     mesh = init_device_mesh("cpu", (world,))
     reshard = impl.options["reshard_after_forward"]  # None: every block resharded, not the root
+    if impl.split_root:
+        fully_shard(model.tok_emb, mesh=mesh, reshard_after_forward=reshard)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    if impl.split_root:
+        fully_shard(model.head, mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     return _torch_trainer(model, model)
 
@@ -196,7 +216,15 @@ def _fullshard(impl: Impl, model: nn.Module, world: int) -> Trainer:
 
     import fullshard
 
-    model = fullshard.fsdp(model, device="cpu", auto_wrap_policy={Block}, **impl.options)
+    if impl.split_root:
+        units = (model.tok_emb, model.head)
+        head = model.head
+        model = fullshard.fsdp(
+            model, device="cpu",
+            auto_wrap_policy=lambda m, recurse, n: recurse or isinstance(m, Block) or m in units,
+            reshard_after_forward=lambda m: False if m is head else None, **impl.options)
+    else:
+        model = fullshard.fsdp(model, device="cpu", auto_wrap_policy={Block}, **impl.options)
     return _torch_trainer(model, model)
 
 

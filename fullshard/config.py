@@ -89,6 +89,22 @@ class ShardingPlan:
             self, reshard_after_forward=value, reshard_root_after_forward=value
         )
 
+    def unit_reshards(self, choice: object, *, is_root: bool, name: str) -> bool:
+        """Whether one unit is released after its forward: `choice` is what a per-unit
+        `reshard_after_forward` callable returned for it (None: this plan's default for the
+        root or for the other units). As FSDP2's per-module argument: False keeps a unit
+        gathered from its forward into its backward (the unit that runs last in forward runs
+        first in backward, so resharding it only gathers it again at once), True releases it
+        after its forward even under ZeRO-2's schedule."""
+        if choice is None:
+            return self.reshard_root_after_forward if is_root else self.reshard_after_forward
+        if not isinstance(choice, bool):
+            raise TypeError(
+                f"reshard_after_forward(module) must return True, False or None for each unit; "
+                f"for unit {name or '<root>'!r} it returned {type(choice).__name__}: {choice!r}"
+            )
+        return choice
+
 
 _PLANS = {
     "ZERO3": ShardingPlan("ZERO3", reshard_after_forward=True),

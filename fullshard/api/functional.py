@@ -56,7 +56,7 @@ def fsdp(
     device: torch.device | str | int | None = None,
     broadcast_from: int | None = None,
     sharding_strategy: FSDPType | str | object = FSDPType.ZERO2,
-    reshard_after_forward: bool | None = None,
+    reshard_after_forward: bool | None | Callable[[nn.Module], bool | None] = None,
     bucketing_strategy: FSDPBucketingStrategy | str = FSDPBucketingStrategy.NONE,
     move_state_dict_to_cpu: bool | None = None,
     auto_wrap_policy: object = None,
@@ -86,6 +86,11 @@ def fsdp(
             forward, the root staying gathered into backward, which runs it first; True
             releases the root too; False keeps every unit gathered until its backward (ZeRO-2's
             schedule). True with a strategy that keeps parameters gathered is a ValueError.
+            Or, as FSDP2's per-module argument, a callable `f(unit_module) -> True | False |
+            None` asked once per unit at wrap (None: the strategy's default for that unit).
+            E.g. with the LM head a unit of its own, `lambda m: False if m is head else None`
+            keeps the head, which runs last in forward and first in backward, gathered
+            between the two (torchtitan's layout), so it is gathered once per step.
         bucketing_strategy: `FSDPBucketingStrategy` NONE (a collective per parameter), LAYER
             (per leaf module) or BLOCK (per unit), or its name.
         move_state_dict_to_cpu: default of `full_state_dict(cpu_offload=...)` and of
@@ -134,6 +139,9 @@ def fsdp(
             f"fullshard. Wrap the original, unwrapped model exactly once."
         )
     plan = resolve_sharding_strategy(sharding_strategy)
+    reshard_unit = None
+    if callable(reshard_after_forward):
+        reshard_unit, reshard_after_forward = reshard_after_forward, None
     plan = plan.with_reshard_after_forward(reshard_after_forward)
     bucketing = resolve_bucketing_strategy(bucketing_strategy)
     for name, value in (("prefetch_limit", prefetch_limit),
@@ -191,6 +199,7 @@ def fsdp(
         max_pending_reductions=max_pending_reductions,
         ignored=ignored,
         param_init_fn=param_init_fn,
+        reshard_unit=reshard_unit,
     )
     runtime.move_state_dict_to_cpu = bool(move_state_dict_to_cpu)  # None: False (thunder)
     # Hugging Face: `get_encoder()(...)` and the other entry points gather what they read

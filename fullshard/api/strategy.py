@@ -121,7 +121,8 @@ class FSDPStrategy(RankPlacement):
             2-D `DeviceMesh`. Default for HYBRID_SHARD: (nodes, ranks per node).
         **kwargs: engine options of `fullshard.fsdp`: bucketing_strategy, prefetch_limit,
             max_pending_reductions, broadcast_from, move_state_dict_to_cpu,
-            reshard_after_forward (FSDP2's True / False / None); and torch
+            reshard_after_forward (FSDP2's True / False / None, or per unit a callable of
+            the unit's module, as `fsdp`); and torch
             `FullyShardedDataParallel`'s other keywords (meanings: `strategy_args`, README).
     """
 
@@ -148,7 +149,9 @@ class FSDPStrategy(RankPlacement):
         self._engine_kwargs, self._torch_options = check_engine_kwargs(kwargs)
 
         self._plan = resolve_sharding_strategy(sharding_strategy)
-        self._plan.with_reshard_after_forward(self._engine_kwargs.get("reshard_after_forward"))
+        reshard = self._engine_kwargs.get("reshard_after_forward")
+        if not callable(reshard):  # a per-unit callable is checked unit by unit at setup
+            self._plan.with_reshard_after_forward(reshard)
         if device_mesh is not None:
             if not self._plan.hybrid:
                 raise ValueError(

@@ -131,9 +131,10 @@ def check_engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], TorchFS
     if "bucketing_strategy" in engine:
         resolve_bucketing_strategy(engine["bucketing_strategy"])
     reshard = engine.get("reshard_after_forward")
-    if reshard is not None and not isinstance(reshard, bool):
+    if reshard is not None and not isinstance(reshard, bool) and not callable(reshard):
         raise TypeError(
-            f"FSDPStrategy(reshard_after_forward=...) must be True, False or None, got "
+            f"FSDPStrategy(reshard_after_forward=...) must be True, False, None or a callable "
+            f"of a unit's module returning one of them, got "
             f"{type(reshard).__name__}: {reshard!r}"
         )
     for name in ("prefetch_limit", "max_pending_reductions"):

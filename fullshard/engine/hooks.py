@@ -91,6 +91,7 @@ from __future__ import annotations
 import collections
 import functools
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -133,11 +134,19 @@ class Runtime:
         max_pending_reductions: int,
         backward_prefetch_limit: int | None = None,
         input_dtypes: dict[Unit, torch.dtype] | None = None,
+        reshards: Sequence[bool] | None = None,
     ) -> None:
         self.units = units
         self.root = units[0]
         for i, u in enumerate(units):
             u.index = i
+            # released after forward: per unit where given (`ShardingPlan.unit_reshards`)
+            u.reshard_after_forward = (
+                reshards[i] if reshards is not None
+                else plan.unit_reshards(None, is_root=i == 0, name=u.name)
+            )
+        # ZeRO-3's saved-tensor hooks are needed when any unit is released after forward
+        self._any_reshards = any(u.reshard_after_forward for u in units)
         self.mesh = mesh
         self.plan = plan
         self.prefetch_limit = prefetch_limit  # forward: units gathered ahead of the running one
@@ -277,16 +286,18 @@ class Runtime:
             self._forward_failed()
             return
         if unit is self.root:
-            if self._release_after_forward(unit, self.plan.reshard_root_after_forward):
+            if self._release_after_forward(unit, unit.reshard_after_forward):
                 self._release(unit)
-            # Where the other units reshard: any prefetched that this forward did not run.
-            if self._release_after_forward(unit, self.plan.reshard_after_forward):
-                for u in self.units[1:]:
-                    if u.is_gathered or u.state is UnitState.GATHERING:
-                        self._release(u)
+            # Units prefetched that this forward did not run, where they reshard (the ones
+            # it ran were released, or kept, by their own post-hooks already).
+            for u in self.units[1:]:
+                if (u.is_gathered or u.state is UnitState.GATHERING) and (
+                    self._release_after_forward(u, u.reshard_after_forward)
+                ):
+                    self._release(u)
             if regathers:
                 self._prefetch_backward_start(self._expected_backward_order())
-        elif self._release_after_forward(unit, self.plan.reshard_after_forward):
+        elif self._release_after_forward(unit, unit.reshard_after_forward):
             self._release(unit)
 
     def _forward_failed(self) -> None:
@@ -330,7 +341,7 @@ class Runtime:
         return (
             with_grad
             and not recomputing
-            and self.plan.reshard_after_forward
+            and self._any_reshards
             and self.sync_gradients
             and self.mesh.shard.size > 1
         )

@@ -70,12 +70,19 @@ def shard_module(
     backward_prefetch_limit: int | None = None,
     ignored: Ignored | None = None,
     param_init_fn: Callable[[nn.Module], object] | None = None,
+    reshard_unit: Callable[[nn.Module], bool | None] | None = None,
 ) -> Runtime:
     ignored = ignored or Ignored()
     unit_choice = choose_units(model, auto_wrap_policy, ignored)
     unit_modules = list(unit_choice.modules)
-    owned = assign_params(model, unit_modules, ignored)
     names = {id(m): n for n, m in model.named_modules()}
+    # Each unit's resharding, checked before anything is changed in place.
+    reshards = [
+        plan.unit_reshards(None if reshard_unit is None else reshard_unit(m),
+                           is_root=i == 0, name=names[id(m)])
+        for i, m in enumerate(unit_modules)
+    ]
+    owned = assign_params(model, unit_modules, ignored)
     fp_ids = full_precision_ids(model, mixed_precision)
     shard_rank_of_global: list[int] | None = None
     if broadcast_from is not None:
@@ -118,6 +125,7 @@ def shard_module(
         max_pending_reductions=max_pending_reductions,
         backward_prefetch_limit=backward_prefetch_limit,
         input_dtypes=unit_input_dtypes(units, mixed_precision, fp_ids),
+        reshards=reshards,
     )
     runtime.units_description = unit_choice.describe()
     # Under torch.compile the hooks run eagerly (they issue collectives and swap tensors):

@@ -156,6 +156,9 @@ class Unit:
         self._acc_node: Any = None  # a trainable shard's AccumulateGrad (autograd.grad probe)
         self.refresh_requires_grad()
         self.index = -1  # position in the runtime's unit list
+        # Released after its forward? Set by the runtime from the plan and any per-unit choice
+        # (config.ShardingPlan.unit_reshards); False keeps it gathered into its backward.
+        self.reshard_after_forward = False
         # Outputs of this forward pass's GatheredParams, reused if the unit runs again in the
         # same pass while still gathered (ZeRO-2), so autograd sees one node and we reduce once.
         self.cached_views: list[torch.Tensor] | None = None

@@ -418,6 +418,78 @@ def test_counts_table(group2):
     }
 
 
+def _per_unit_step(strategy: str, which: int, choice: bool) -> dict:
+    """Three steps with `reshard_after_forward` given per unit: `choice` for block `which`,
+    the strategy's default for every other unit; parity with the reference every step."""
+    torch.manual_seed(0)
+    ref = _tiny_gpt4()
+    model = copy.deepcopy(ref)
+    chosen = model.blocks[which]
+    model = fullshard.fsdp(model, device="cpu", sharding_strategy=strategy,
+                           bucketing_strategy="BLOCK", auto_wrap_policy={Block},
+                           reshard_after_forward=lambda m: choice if m is chosen else None)
+    runtime = model.fullshard_runtime
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    steps, gathered_after_forward = [], []
+    for _ in range(3):
+        x, y = ref.make_batch(2 * dist.get_world_size(), gen)
+        fullshard.reset_comm_stats()
+        loss = model.loss(_local(x, 2), _local(y, 2))
+        gathered_after_forward.append([u.name for u in runtime.units if u.is_gathered])
+        loss.backward()
+        steps.append(fullshard.comm_stats())
+        assert all(not u.is_gathered for u in runtime.units)  # nothing survives the step
+        ref.loss(x, y).backward()
+        _assert_close_to_ref(model, ref)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    return {"gathers": [s["all_gather"]["calls"] for s in steps],
+            "reduce_scatters": [s["reduce_scatter"]["calls"] for s in steps],
+            "gathered_after_forward": gathered_after_forward,
+            "flags": [u.reshard_after_forward for u in runtime.units]}
+
+
+@pytest.mark.parametrize(
+    ("strategy", "which", "choice", "gathers", "kept"),
+    [  # ZeRO-3 (5 units, BLOCK): 10 - 1 all-gathers by default (the root once)
+        ("ZERO3", 3, False, 10 - 2, ["", "blocks.3"]),  # the last block kept too: torchtitan's
+        ("ZERO3", 0, False, 10 - 2, ["", "blocks.0"]),  # any unit: gathered once, held longer
+        ("ZERO2", 1, True, 5 + 1, ["", "blocks.0", "blocks.2", "blocks.3"]),  # one resharded
+    ],
+)
+def test_reshard_after_forward_per_unit(group2, strategy, which, choice, gathers, kept):
+    """FSDP2's per-module `reshard_after_forward`, as a callable of each unit's module: the
+    chosen unit follows its own choice, the others the strategy; losses and gradients equal
+    the single process's, the collective counts move by exactly the chosen unit's gathers,
+    and nothing stays gathered after backward."""
+    info = group2.run(_per_unit_step, strategy, which, choice)[0]
+    assert info["gathers"] == [gathers] * 3
+    assert info["reduce_scatters"] == [5] * 3
+    assert info["gathered_after_forward"] == [kept] * 3
+    expected = [False] + [strategy == "ZERO3"] * 4
+    expected[1 + which] = choice
+    assert info["flags"] == expected
+
+
+def test_reshard_after_forward_per_unit_must_answer_a_bool(group1):
+    group1.run(_per_unit_bad_answer)
+
+
+def _per_unit_bad_answer() -> None:
+    model = _tiny_gpt4()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(TypeError, match=r"for unit 'blocks.0' it returned str: 'no'"):
+        fullshard.fsdp(model, device="cpu", sharding_strategy="ZERO3",
+                       auto_wrap_policy={Block},
+                       reshard_after_forward=lambda m: "no" if m is model.blocks[0] else None)
+    # checked before anything is changed: the model is not wrapped and can be wrapped now
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    fullshard.fsdp(model, device="cpu", auto_wrap_policy={Block}, reshard_after_forward=lambda m: None)
+
+
 # == 2. memory ===============================================================================
 def _memory_profile(
     strategy: str, bucketing: str, prefetch_limit: int, coalesce_bytes: int = 0

@@ -346,3 +346,15 @@ def test_strategy_passes_reshard_after_forward_to_the_engine(world1):
     model = strategy.setup_module(_model())
     plan = model.fullshard_runtime.plan
     assert (plan.reshard_after_forward, plan.reshard_root_after_forward) == (True, True)
+
+
+def test_strategy_passes_a_per_unit_reshard_after_forward(world1):
+    def keep_the_root(module):  # type: ignore[no-untyped-def]
+        return False if isinstance(module, nn.Sequential) else True
+
+    strategy = fullshard.FSDPStrategy(accelerator="cpu", sharding_strategy="SHARD_GRAD_OP",
+                                      auto_wrap_policy={nn.Linear},
+                                      reshard_after_forward=keep_the_root)
+    model = strategy.setup_module(_model())
+    flags = [u.reshard_after_forward for u in model.fullshard_runtime.units]
+    assert flags == [False] + [True] * (len(flags) - 1) and len(flags) > 1
