@@ -487,7 +487,8 @@ def _per_unit_bad_answer() -> None:
                        reshard_after_forward=lambda m: "no" if m is model.blocks[0] else None)
     # checked before anything is changed: the model is not wrapped and can be wrapped now
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
-    fullshard.fsdp(model, device="cpu", auto_wrap_policy={Block}, reshard_after_forward=lambda m: None)
+    fullshard.fsdp(model, device="cpu", auto_wrap_policy={Block},
+                   reshard_after_forward=lambda m: None)
 
 
 # == 2. memory ===============================================================================
