@@ -200,7 +200,7 @@ def all_gather_batch(
 COALESCE_BYTES = 1 << 20
 """Pairwise exchanges of at most this many bytes per rank go out as one message per peer,
 even when split into segments or made of several units' buckets (see `_small`); the engine
-batches small units within it (hooks.SMALL_UNITS_BYTES). 0 turns both off. 4 MiB (config A's
+batches small units within it (small_units.SMALL_UNITS_BYTES). 0 turns both off. 4 MiB (config A's
 1.6 MB-per-rank blocks packed) measured the same as 1 MiB within this machine's noise, so
 the smaller copies and header receive buffers stay."""
 

@@ -14,21 +14,8 @@ backward  `GatheredParams.backward` (once per unit, when its gradients are compl
 end       a callback queued on the autograd engine finishes all reductions and releases every
           unit, so nothing unsharded survives the step.
 
-[Note: small units travel together]
-Each exchange has a fixed cost (on gloo a message round, ~0.1-1 ms in a busy step) that a
-small unit cannot hide behind its compute. Where the backend can send several collectives as
-one exchange (gloo's pairwise path, comm.all_gather_batch), the runtime gathers ahead, beyond
-`prefetch_limit` units, as many more as keep `SMALL_UNITS_BYTES` per rank in flight, in one
-exchange, and refills the window only when one of the next `prefetch_limit` units is not in
-flight (`_gather_ahead`; the same in ZeRO-3's backward). Reductions of small units wait in a
-batch until another unit of the same size would not fit, or backward ends
-(`_queue_reductions`); NO_SHARD's all-reduces too (each sends its whole gradients to N-1
-peers, so their budget is SMALL_UNITS_BYTES / (N-1); the gradients are `.grad`'s storage, so
-waiting costs no memory). The collectives counted stay the algorithm's (one per bucket); only
-the messages are fewer. Memory: ZeRO-3 holds the running unit plus at most
-max(`prefetch_limit` units, SMALL_UNITS_BYTES per rank gathered) ahead, and up to
-SMALL_UNITS_BYTES per rank of unsharded gradients waiting; large units are exactly as without
-batching. NCCL issues one collective per bucket as before.
+[Note: small units travel together] is small_units.py's: the gathers ahead (`_gather_ahead`)
+and the held reductions (`_queue_reductions`) follow its budgets.
 
 [Note: what a training loop may do between steps]
 The loop is the user's (design §2.7); the runtime keeps no state that a step that went wrong
@@ -62,6 +49,8 @@ tensors are still packed as tokens (the hooks do not tell units apart); unpackin
 gathered and gathers nothing. A forward with gradients that no backward follows leaves the
 root gathered until the next step reuses it (as ZeRO-2 leaves every unit); `release_all`,
 `zero_grad` after a failed step and a load drop it.
+The same for any unit a per-unit `reshard_after_forward` keeps (`unit.reshard_after_forward`,
+set at wrap), e.g. torchtitan's LM head unit: gathered once, reduced as its backward ends.
 
 [Note: the turn from forward to backward]
 Under ZeRO-3 the first unit backward needs (the last block; the order recorded last step,
@@ -99,24 +88,12 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fullshard.config import ShardingPlan
-from fullshard.distributed import comm
 from fullshard.distributed.mesh import ShardMesh
 from fullshard.engine.bucket import Bucket, PendingReduction, issue_reductions
 from fullshard.engine.precision import cast_floating
 from fullshard.engine.saved_params import SavedParams
+from fullshard.engine.small_units import gather_batch_bytes, reduce_batch_bytes
 from fullshard.engine.unit import BackwardDone, Unit, UnitState
-
-SMALL_UNITS_BYTES = 1 << 20
-"""Bytes per rank of small units gathered ahead (and of their gradients held) to travel in one
-exchange, where the backend allows (see the note on small units). A memory decision: it bounds
-what ZeRO-3 holds beyond `prefetch_limit` units (at 4 MiB the 8-layer demo model would be
-gathered whole), kept apart from comm.COALESCE_BYTES, the size up to which one exchange is
-packed into one message, and capped by it."""
-
-
-def small_units_bytes() -> int:
-    """`SMALL_UNITS_BYTES`, within what comm sends as one message (0 when that is off)."""
-    return min(SMALL_UNITS_BYTES, max(comm.COALESCE_BYTES, 0))
 
 
 def _in_backward() -> bool:
@@ -138,13 +115,10 @@ class Runtime:
     ) -> None:
         self.units = units
         self.root = units[0]
-        for i, u in enumerate(units):
+        for i, u in enumerate(units):  # released after forward? (ShardingPlan.unit_reshards)
             u.index = i
-            # released after forward: per unit where given (`ShardingPlan.unit_reshards`)
-            u.reshard_after_forward = (
-                reshards[i] if reshards is not None
-                else plan.unit_reshards(None, is_root=i == 0, name=u.name)
-            )
+            u.reshard_after_forward = (reshards[i] if reshards is not None
+                                       else plan.unit_reshards(None, is_root=i == 0, name=""))
         # ZeRO-3's saved-tensor hooks are needed when any unit is released after forward
         self._any_reshards = any(u.reshard_after_forward for u in units)
         self.mesh = mesh
@@ -370,7 +344,7 @@ class Runtime:
         """
         window: list[Unit] = []
         if limit > 0 and pos < len(order) and order[pos] is unit:
-            budget, nbytes = self._batch_bytes(), unit.gather_nbytes
+            budget, nbytes = gather_batch_bytes(self.mesh), unit.gather_nbytes
             for nxt in order[pos + 1 :]:
                 if nxt is unit or nxt in window:
                     continue  # a unit called several times per pass
@@ -383,20 +357,6 @@ class Runtime:
         for u in window:
             self._drop_stale(u)
         unit.start_gather_with(window, async_op=True)
-
-    def _batch_bytes(self) -> int:
-        """Bytes per rank up to which small units' gathers go together (0: never)."""
-        return small_units_bytes() if comm.gathers_segments(self.mesh.shard) else 0
-
-    def _reduce_batch_bytes(self) -> int:
-        """The same for their reductions: the shard axis's reduce-scatters or, without one
-        (NO_SHARD), the all-reduces, which send their whole tensors to each of N-1 peers."""
-        if self.mesh.shard.size > 1:
-            return self._batch_bytes()
-        replicate = self.mesh.replicate
-        if not comm.pairwise_exchanges(replicate):
-            return 0
-        return small_units_bytes() // (replicate.size - 1)
 
     # -- ZeRO-3 saved tensors ---------------------------------------------------------------
     def _regather_saved(self, unit: Unit) -> None:
@@ -521,7 +481,7 @@ class Runtime:
         batch = self._reduce_batch
         batch += [p for p in unit_pendings if p.request is not None]
         size = sum(p.nbytes for p in batch)
-        if batch and size + sum(p.nbytes for p in unit_pendings) > self._reduce_batch_bytes():
+        if batch and size + sum(p.nbytes for p in unit_pendings) > reduce_batch_bytes(self.mesh):
             self._flush_reductions()
 
     def _flush_reductions(self) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from fullshard.config import ShardingPlan, resolve_bucketing_strategy, resolve_sharding_strategy
 from fullshard.distributed import comm
-from fullshard.engine.hooks import small_units_bytes
+from fullshard.engine.small_units import small_units_bytes
 from fullshard.planner.activations import activation_bytes
 from fullshard.planner.estimate import (
     comm_bytes,

@@ -188,7 +188,7 @@ def measure_link() -> dict[str, float]:
     """On every rank of an initialized gloo process group (all must call it): the exchange
     latency and bandwidth and the engine's per-unit cost (module docstring)."""
     from fullshard.distributed import comm
-    from fullshard.engine.hooks import small_units_bytes
+    from fullshard.engine.small_units import small_units_bytes
 
     torch.set_num_threads(1)
     group = _world()

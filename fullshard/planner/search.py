@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from fullshard.config import resolve_sharding_strategy
-from fullshard.engine.hooks import small_units_bytes
+from fullshard.engine.small_units import small_units_bytes
 from fullshard.planner.estimate import (
     OptimizerSpec,
     PrecisionSpec,

@@ -67,7 +67,7 @@ import torch
 
 from fullshard.distributed import comm
 from fullshard.distributed.pairwise import SMALL_PIECE_BYTES
-from fullshard.engine.hooks import small_units_bytes
+from fullshard.engine.small_units import small_units_bytes
 from fullshard.planner.estimate import PrecisionSpec, _size
 from fullshard.planner.hardware import Hardware
 from fullshard.planner.profile import ForwardProfile

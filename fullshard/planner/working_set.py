@@ -21,7 +21,7 @@ The replay follows `engine/hooks.py` for one step, in the unit order root, block
 
 forward   pre-hook of each unit: start its gather, prefetch the next `prefetch_limit` units
           (the order recorded on the previous step; none on the first step) -- on gloo more
-          while the bytes in flight stay within `SMALL_UNITS_BYTES` per rank (hooks.py),
+          while the bytes in flight stay within `SMALL_UNITS_BYTES` per rank (small_units.py),
           refilled only when one of the next `prefetch_limit` is not in flight -- and wait.
           Post-hook: ZeRO-3 releases the unit, ZeRO-2 keeps it. The root's post-hook runs last.
 backward  ZeRO-3 (with S > 1): the root is gathered again first (the LM head is the last op of
@@ -128,7 +128,7 @@ def working_set_bytes(
     batch_bytes: int = 0,
 ) -> int:
     """Peak transient bytes over a step (the larger of the first step and a later one).
-    `batch_bytes`: gloo's `hooks.small_units_bytes()` (small units' exchanges go together), 0
+    `batch_bytes`: gloo's `small_units.small_units_bytes()` (small units' exchanges go together), 0
     for NCCL or S == 1."""
     return max(
         _Replay(units, reshard_after_forward and shard_size > 1, prefetch_limit,
