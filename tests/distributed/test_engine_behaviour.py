@@ -418,15 +418,17 @@ def test_counts_table(group2):
     }
 
 
-def _per_unit_step(strategy: str, which: int, choice: bool) -> dict:
+def _per_unit_step(strategy: str, which: int, choice: bool, checkpointed: bool = False) -> dict:
     """Three steps with `reshard_after_forward` given per unit: `choice` for block `which`,
-    the strategy's default for every other unit; parity with the reference every step."""
+    the strategy's default for every other unit; parity with the reference every step.
+    `checkpointed`: every block's activations recomputed in backward too."""
     torch.manual_seed(0)
     ref = _tiny_gpt4()
     model = copy.deepcopy(ref)
     chosen = model.blocks[which]
     model = fullshard.fsdp(model, device="cpu", sharding_strategy=strategy,
                            bucketing_strategy="BLOCK", auto_wrap_policy={Block},
+                           activation_checkpointing_policy={Block} if checkpointed else None,
                            reshard_after_forward=lambda m: choice if m is chosen else None)
     runtime = model.fullshard_runtime
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -453,19 +455,21 @@ def _per_unit_step(strategy: str, which: int, choice: bool) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("strategy", "which", "choice", "gathers", "kept"),
+    ("strategy", "which", "choice", "checkpointed", "gathers", "kept"),
     [  # ZeRO-3 (5 units, BLOCK): 10 - 1 all-gathers by default (the root once)
-        ("ZERO3", 3, False, 10 - 2, ["", "blocks.3"]),  # the last block kept too: torchtitan's
-        ("ZERO3", 0, False, 10 - 2, ["", "blocks.0"]),  # any unit: gathered once, held longer
-        ("ZERO2", 1, True, 5 + 1, ["", "blocks.0", "blocks.2", "blocks.3"]),  # one resharded
+        ("ZERO3", 3, False, False, 10 - 2, ["", "blocks.3"]),  # the last block, as torchtitan
+        ("ZERO3", 0, False, False, 10 - 2, ["", "blocks.0"]),  # any unit: gathered once
+        ("ZERO3", 3, False, True, 10 - 2, ["", "blocks.3"]),  # recomputed: nothing gathered twice
+        ("ZERO2", 1, True, False, 5 + 1, ["", "blocks.0", "blocks.2", "blocks.3"]),  # resharded
     ],
 )
-def test_reshard_after_forward_per_unit(group2, strategy, which, choice, gathers, kept):
+def test_reshard_after_forward_per_unit(group2, strategy, which, choice, checkpointed, gathers,
+                                        kept):
     """FSDP2's per-module `reshard_after_forward`, as a callable of each unit's module: the
     chosen unit follows its own choice, the others the strategy; losses and gradients equal
     the single process's, the collective counts move by exactly the chosen unit's gathers,
     and nothing stays gathered after backward."""
-    info = group2.run(_per_unit_step, strategy, which, choice)[0]
+    info = group2.run(_per_unit_step, strategy, which, choice, checkpointed)[0]
     assert info["gathers"] == [gathers] * 3
     assert info["reduce_scatters"] == [5] * 3
     assert info["gathered_after_forward"] == [kept] * 3
