@@ -35,9 +35,14 @@ and between the ranks (the engine's own collectives, gloo loopback):
     regather_overhead, regather_param_overhead   the same for what FULL_SHARD adds to that
                     (ZeRO-3's second gather in backward), per unit and per parameter
 
-All ranks share one node (`ranks_per_node` = 64), and `overlap` = 0.5: gloo's threads run on
-the same cores as compute, so communication hidden behind compute still costs about half its
-time (an assumption, stated in the output).
+    overlap         1 - what an exchange costs the compute running beside it, per second of
+                    the exchange: 4 all-gathers of 512 KiB per rank issued asynchronously, then
+                    matmuls for ~1.2x their time, then the waits, against each alone. gloo's
+                    threads (and the kernel's loopback copies) run on the cores the ranks
+                    compute on; on this 2-core machine the compute beside an exchange slows by
+                    about the exchange's whole time (overlap ~0, clipped to [0, 1])
+
+All ranks share one node (`ranks_per_node` = 64).
 """
 
 from __future__ import annotations
@@ -203,6 +208,8 @@ def measure_link() -> dict[str, float]:
                         inner=3)
     bandwidth = piece.nbytes * (n - 1) / max(gather - latency, 1e-9)
 
+    overlap = _overlap(group, n)
+
     # The engine's fixed costs: 16 tiny units of k Linear(8, 8) each (2k parameters), wrapped
     # against unwrapped, per unit and pass; k = 1 and 6 separate the cost per unit from the
     # cost per parameter, SHARD_GRAD_OP and FULL_SHARD ZeRO-3's second gather in backward.
@@ -218,9 +225,41 @@ def measure_link() -> dict[str, float]:
     extra = {k: 2 * (z3[k] - z2[k]) for k in (1, 6)}  # per unit, once (in backward)
     regather_param = max(extra[6] - extra[1], 0.0) / (12 - 2)
     regather = max(extra[1] - 2 * regather_param - share * latency, 0.0)
-    return {"latency": latency, "bandwidth": bandwidth, "unit_overhead": per_unit,
+    return {"latency": latency, "bandwidth": bandwidth, "overlap": overlap,
+            "unit_overhead": per_unit,
             "param_overhead": per_param, "regather_overhead": regather,
             "regather_param_overhead": regather_param}
+
+
+def _overlap(group, n: int) -> float:  # type: ignore[no-untyped-def]
+    """1 - (compute beside 4 async exchanges - compute alone) / the exchanges alone, clipped
+    to [0, 1] (module docstring). Every rank calls it (the exchanges are collectives)."""
+    from fullshard.distributed import comm
+
+    piece = torch.zeros(2**17)  # 512 KiB per rank
+    out = torch.empty(n * piece.numel())
+    a, b = torch.randn(256, 1024), torch.randn(1024, 1024)
+
+    def exchanges(work: int = 0) -> None:
+        handles = [comm.all_gather(out, piece, group, async_op=True, check=False)
+                   for _ in range(4)]
+        for _ in range(work):
+            a @ b
+        for h in handles:
+            h.wait()
+
+    alone = _median_of(exchanges, repeats=7, inner=2)
+    one = _median_of(lambda: a @ b, repeats=3, together=False)
+    # the same count on every rank: the ranks' matmul times differ, the exchanges must match
+    matmuls = max(comm.all_gather_object(max(1, int(1.2 * alone / one)), group))
+
+    def compute() -> None:
+        for _ in range(matmuls):
+            a @ b
+
+    compute_alone = _median_of(compute, repeats=7, inner=2)
+    both = _median_of(lambda: exchanges(matmuls), repeats=7, inner=2)
+    return min(max(1.0 - (both - compute_alone) / max(alone, 1e-9), 0.0), 1.0)
 
 
 def _engine_seconds(linears: int, strategy: str) -> float:
@@ -252,8 +291,9 @@ def measure_ranks() -> dict[str, dict[str, float]]:
 
 _WORST = {"flops": min, "mem_bandwidth": min, "op_overhead": max, "attention_score_s": max,
           "transcendental_s": max, "optimizer_tensor_s": max,
-          "optimizer_byte_s": max, "latency": max, "bandwidth": min, "unit_overhead": max,
-          "param_overhead": max, "regather_overhead": max, "regather_param_overhead": max}
+          "optimizer_byte_s": max, "latency": max, "bandwidth": min, "overlap": min,
+          "unit_overhead": max, "param_overhead": max, "regather_overhead": max,
+          "regather_param_overhead": max}
 
 
 def worst_of(results: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
@@ -289,7 +329,8 @@ def measure_local(*, link: dict[str, float] | None = None,
         transcendental_s=compute.get("transcendental_s", 0.0),
         unit_overhead=unit, param_overhead=link.get("param_overhead", 0.0),
         regather_overhead=link.get("regather_overhead", 0.0),
-        regather_param_overhead=link.get("regather_param_overhead", 0.0), overlap=0.5,
+        regather_param_overhead=link.get("regather_param_overhead", 0.0),
+        overlap=link.get("overlap", 0.5),
         backend="gloo", host_bw=compute["mem_bandwidth"],
         host_mem_bandwidth=compute["mem_bandwidth"],
         optimizer_tensor_s=compute.get("optimizer_tensor_s", 0.0),
