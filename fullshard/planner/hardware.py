@@ -30,9 +30,6 @@ Fields (SI units: FLOP/s, bytes/s, seconds, bytes):
                       links inside a node (NVLink, PCIe, or loopback; on gloo the latency is
                       one pairwise exchange's fixed cost, see `timing.py`)
     inter_bw, inter_latency  the same between nodes (InfiniBand / RoCE / Ethernet, per GPU)
-    message_s         gloo: what each message of a pairwise exchange beyond its first adds
-                      (its pieces are posted together, so they do not each pay the latency;
-                      measured by `--hardware local`; None: each pays the latency)
     ranks_per_node    GPUs per node (HYBRID's default shard size; rings wider than this cross
                       the network)
     backend           the collective backend these links are driven by ('nccl', 'gloo')
@@ -85,7 +82,6 @@ class Hardware:
     regather_overhead: float = 0.0
     regather_param_overhead: float = 0.0
     overlap: float = 1.0
-    message_s: float | None = None
     backend: str = "nccl"
     host_bw: float = 25e9
     host_mem_bandwidth: float = 100e9

@@ -27,8 +27,6 @@ and between the ranks (the engine's own collectives, gloo loopback):
                     peer, all peers at once): the fixed cost of one exchange at this N
     intra_bw        bytes/s of an all-gather of 4 MiB per rank (each rank sends its piece to
                     each peer), less that latency
-    message_s       the same 4 MiB as 8 pieces (a message each per peer, as a block's large
-                    parameters travel), per message beyond the first
     unit_overhead, param_overhead   the engine's fixed cost per unit and per parameter and
                     pass: SHARD_GRAD_OP models of 16 tiny units of 1 and of 6 Linear(8, 8)
                     against the same models unwrapped, per unit and pass (the difference per
@@ -36,6 +34,7 @@ and between the ranks (the engine's own collectives, gloo loopback):
                     units separately
     regather_overhead, regather_param_overhead   the same for what FULL_SHARD adds to that
                     (ZeRO-3's second gather in backward), per unit and per parameter
+
     overlap         1 - what an exchange costs the compute running beside it, per second of
                     the exchange: 4 all-gathers of 512 KiB per rank issued asynchronously, then
                     matmuls for ~1.2x their time, then the waits, against each alone. gloo's
@@ -208,11 +207,6 @@ def measure_link() -> dict[str, float]:
     gather = _median_of(lambda: comm.all_gather(out, piece, group, check=False), repeats=5,
                         inner=3)
     bandwidth = piece.nbytes * (n - 1) / max(gather - latency, 1e-9)
-    # The same bytes as 8 pieces of 512 KiB, one message each per peer, posted together.
-    pieces = [piece.numel() // 8] * 8
-    split = _median_of(lambda: comm.all_gather(out, piece, group, segments=pieces,
-                                               check=False), repeats=5, inner=3)
-    message = max(split - gather, 0.0) / (len(pieces) - 1)
 
     overlap = _overlap(group, n)
 
@@ -231,7 +225,7 @@ def measure_link() -> dict[str, float]:
     extra = {k: 2 * (z3[k] - z2[k]) for k in (1, 6)}  # per unit, once (in backward)
     regather_param = max(extra[6] - extra[1], 0.0) / (12 - 2)
     regather = max(extra[1] - 2 * regather_param - share * latency, 0.0)
-    return {"latency": latency, "bandwidth": bandwidth, "message": message, "overlap": overlap,
+    return {"latency": latency, "bandwidth": bandwidth, "overlap": overlap,
             "unit_overhead": per_unit,
             "param_overhead": per_param, "regather_overhead": regather,
             "regather_param_overhead": regather_param}
@@ -297,7 +291,7 @@ def measure_ranks() -> dict[str, dict[str, float]]:
 
 _WORST = {"flops": min, "mem_bandwidth": min, "op_overhead": max, "attention_score_s": max,
           "transcendental_s": max, "optimizer_tensor_s": max,
-          "optimizer_byte_s": max, "latency": max, "bandwidth": min, "message": max, "overlap": min,
+          "optimizer_byte_s": max, "latency": max, "bandwidth": min, "overlap": min,
           "unit_overhead": max, "param_overhead": max, "regather_overhead": max,
           "regather_param_overhead": max}
 
@@ -336,7 +330,7 @@ def measure_local(*, link: dict[str, float] | None = None,
         unit_overhead=unit, param_overhead=link.get("param_overhead", 0.0),
         regather_overhead=link.get("regather_overhead", 0.0),
         regather_param_overhead=link.get("regather_param_overhead", 0.0),
-        overlap=link.get("overlap", 0.5), message_s=link.get("message"),
+        overlap=link.get("overlap", 0.5),
         backend="gloo", host_bw=compute["mem_bandwidth"],
         host_mem_bandwidth=compute["mem_bandwidth"],
         optimizer_tensor_s=compute.get("optimizer_tensor_s", 0.0),

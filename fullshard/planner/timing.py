@@ -29,16 +29,15 @@ Gloo (the CPU backend): the engine's all-gathers and reduce-scatters are pairwis
 (`distributed/pairwise.py`): every rank posts its messages to all `n - 1` peers at once, one
 round, sending `B * (n - 1) / n` (the reduce-scatter too: no all-reduce underneath), so
 
-    all-gather / reduce-scatter   alpha + (messages - 1) * message_s + B * (n - 1) / n / bw
+    all-gather / reduce-scatter   messages * alpha + B * (n - 1) / n / bw
 
 with `alpha` one exchange's fixed cost at this `n` (what `measure.py` times: a small
-all-gather through the engine's own path), `message_s` what each further message adds (they
-are posted together: measured, ~0.1 of alpha here) and `messages` per peer: 1 for an exchange within
+all-gather through the engine's own path) and `messages` per peer: 1 for an exchange within
 `comm.COALESCE_BYTES` per rank (packed), else one per piece above `SMALL_PIECE_BYTES`, one
 for the small pieces and one for the header (the engine checks every unit's first bucket).
 Small units travel together (hooks.py, the note on small units): units of `u` bytes per rank
 share one exchange `floor(SMALL_UNITS_BYTES / u)` at a time, so each pays that fraction of
-the fixed cost.
+`alpha`.
 
 The engine's own copies, on the compute side (memory-bound, at `mem_bandwidth`): a gather
 copies the rank's own shard into the unsharded buffer (read + write `L`); gloo's
@@ -132,15 +131,11 @@ def _ring(nbytes: float, n: int, bw: float, alpha: float, *, all_reduce: bool = 
     return k * ((n - 1) * alpha + nbytes * (n - 1) / n / bw)
 
 
-def _exchange(nbytes: float, n: int, bw: float, alpha: float, messages: int, share: float,
-              message_s: float | None) -> float:
-    """Gloo's pairwise all-gather / reduce-scatter of `nbytes` unsharded (module docstring):
-    `share` of the exchange's fixed cost, alpha plus `message_s` per message beyond the first
-    (alpha per message where `message_s` is None)."""
+def _exchange(nbytes: float, n: int, bw: float, alpha: float, messages: float) -> float:
+    """Gloo's pairwise all-gather / reduce-scatter of `nbytes` unsharded (module docstring)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    per_message = alpha if message_s is None else message_s
-    return share * (alpha + (messages - 1) * per_message) + nbytes * (n - 1) / n / bw
+    return messages * alpha + nbytes * (n - 1) / n / bw
 
 
 def _messages(bucket: BucketSpec, shard: int, element_size: int) -> int:
@@ -214,9 +209,8 @@ def unit_times(
                 nbytes = shard * flat * _size(compute)
                 gather_copy += 2 * flat * _size(compute) / mem
                 if pairwise:
-                    gather += _exchange(nbytes, shard, shard_bw, shard_alpha,
-                                        _messages(b, shard, _size(compute)), share,
-                                        hardware.message_s)
+                    msgs = share * _messages(b, shard, _size(compute))
+                    gather += _exchange(nbytes, shard, shard_bw, shard_alpha, msgs)
                 else:
                     gather += _ring(nbytes, shard, shard_bw, shard_alpha)
             if not b.requires_grad:
@@ -224,9 +218,8 @@ def unit_times(
             if shard > 1:
                 nbytes = shard * flat * _size(red)
                 if pairwise:
-                    reduce += _exchange(nbytes, shard, shard_bw, shard_alpha,
-                                        _messages(b, shard, _size(red)), share,
-                                        hardware.message_s)
+                    msgs = share * _messages(b, shard, _size(red))
+                    reduce += _exchange(nbytes, shard, shard_bw, shard_alpha, msgs)
                     reduce_sum += (shard + 1) * flat * _size(red) / mem
                 else:
                     reduce += _ring(nbytes, shard, shard_bw, shard_alpha)
