@@ -263,12 +263,14 @@ class Runtime:
             if self._release_after_forward(unit, unit.reshard_after_forward):
                 self._release(unit)
             # Units prefetched that this forward did not run, where they reshard (the ones
-            # it ran were released, or kept, by their own post-hooks already).
-            for u in self.units[1:]:
-                if (u.is_gathered or u.state is UnitState.GATHERING) and (
-                    self._release_after_forward(u, u.reshard_after_forward)
-                ):
-                    self._release(u)
+            # it ran were released, or kept, by their own post-hooks already). None can be
+            # under ZeRO-2 with grad: skip the walk there.
+            if self._any_reshards or not torch.is_grad_enabled():
+                for u in self.units[1:]:
+                    if (u.is_gathered or u.state is UnitState.GATHERING) and (
+                        self._release_after_forward(u, u.reshard_after_forward)
+                    ):
+                        self._release(u)
             if regathers:
                 self._prefetch_backward_start(self._expected_backward_order())
         elif self._release_after_forward(unit, unit.reshard_after_forward):
