@@ -95,8 +95,19 @@ def make_failure_directory() -> str:
 
 
 def remove_failure_directory(directory: str | None) -> None:
-    """Delete the records once the launch is over. Never raises."""
-    if directory:
+    """Delete the records once the launch is over. Never raises.
+
+    The launcher's watchdog thread ends the launch while this process's own excepthook may
+    be writing rank 0's record into the directory: a file created while `rmtree` runs makes
+    its last `rmdir` fail, and the directory outlived the launch (seen under load). So this
+    process stops recording first (the variable `record_failure` reads), then the removal is
+    repeated for a record already being written."""
+    if not directory:
+        return
+    if os.environ.get(FAILURE_DIR_VAR) == directory:
+        del os.environ[FAILURE_DIR_VAR]
+    for _ in range(5):
         shutil.rmtree(directory, ignore_errors=True)
-        if os.environ.get(FAILURE_DIR_VAR) == directory:
-            del os.environ[FAILURE_DIR_VAR]
+        if not os.path.exists(directory):
+            return
+        time.sleep(0.02)
