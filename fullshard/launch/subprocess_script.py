@@ -62,14 +62,17 @@ def describe_exit(code: int) -> str:
 
 
 def _say(msg: str) -> None:
+    """The launcher's last words, written straight to file descriptor 2: the caller exits with
+    `os._exit` next, from a watchdog thread, while the main thread may be anywhere, even
+    shutting the interpreter down (`sys.stderr` gone); a line through `sys.stderr` was lost
+    that way under load (the launch tests saw an exit with no reason)."""
     try:
         sys.stdout.flush()
     except Exception:  # noqa: BLE001 - best effort on a dying process
         pass
     try:
-        sys.stderr.write(f"fullshard: {msg}\n")
-        sys.stderr.flush()
-    except Exception:  # noqa: BLE001
+        os.write(2, f"fullshard: {msg}\n".encode())
+    except OSError:
         pass
 
 
