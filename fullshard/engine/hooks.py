@@ -109,16 +109,16 @@ class Runtime:
         *,
         prefetch_limit: int,
         max_pending_reductions: int,
+        reshards: Sequence[bool],
         backward_prefetch_limit: int | None = None,
         input_dtypes: dict[Unit, torch.dtype] | None = None,
-        reshards: Sequence[bool] | None = None,
     ) -> None:
         self.units = units
         self.root = units[0]
-        for i, u in enumerate(units):  # released after forward? (ShardingPlan.unit_reshards)
+        # `reshards`: each unit released after forward? (ShardingPlan.unit_reshards, at wrap)
+        for i, (u, reshard) in enumerate(zip(units, reshards, strict=True)):
             u.index = i
-            u.reshard_after_forward = (reshards[i] if reshards is not None
-                                       else plan.unit_reshards(None, is_root=i == 0, name=""))
+            u.reshard_after_forward = reshard
         # ZeRO-3's saved-tensor hooks are needed when any unit is released after forward
         self._any_reshards = any(u.reshard_after_forward for u in units)
         self.mesh = mesh
