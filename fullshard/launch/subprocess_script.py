@@ -48,6 +48,8 @@ _TERM_GRACE_S = 2.0
 # the child's failure record): that child is already dying, but interpreter shutdown can take
 # seconds on a loaded machine.
 _FAILED_CHILD_EXIT_S = 10.0
+_END_WAIT_S = 10.0
+"""How long, beyond the children's grace, a thread waits for another one ending the launch."""
 
 
 def describe_exit(code: int) -> str:
@@ -305,11 +307,13 @@ class SubprocessScriptLauncher:
             stopped.wait(_POLL_S)
 
     def _end(self, message: str, status: int = 1) -> None:
-        """Report, end every child, exit this process. Runs once."""
+        """Report, end every child, exit this process. Runs once: a second caller waits for
+        the first's exit (`_await_end`) instead of returning."""
         with self._lock:
-            if self._ending:
-                return
+            first = not self._ending
             self._ending = True
+        if not first:
+            self._await_end(status)
         _say(message)
         self._stop_children()
         failures.remove_failure_directory(self._failure_dir)
@@ -357,9 +361,21 @@ class SubprocessScriptLauncher:
         local_rank, proc, code = failed
         return local_rank, proc, describe_exit(code)
 
+    def _await_end(self, status: int) -> None:
+        """Wait while another thread ends the launch (`_end`, which leaves with `os._exit`).
+
+        The main thread must not go on to finalize the interpreter meanwhile: a daemon thread
+        that next needs the GIL after finalization began is frozen for good, so the watchdog
+        stopped halfway through its report or through removing the failure records (launches
+        under load ended with no reason printed, or left an empty records directory). Past a
+        bound the ending thread is taken as stuck, and this one finishes the job."""
+        time.sleep(_TERM_GRACE_S + _END_WAIT_S)
+        failures.remove_failure_directory(self._failure_dir)
+        os._exit(status)
+
     def _at_exit(self) -> None:
-        if self._ending:
-            return
+        if self._ending:  # the watchdog is ending the launch: let it finish
+            self._await_end(1)
         if self._rank0_failed is not None:
             rank0 = (
                 f"rank {self._global_rank(0)} (local rank 0, pid {os.getpid()}) failed with "

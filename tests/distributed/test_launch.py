@@ -319,3 +319,34 @@ def test_a_sigkilled_fullshard_run_takes_its_workers_with_it(tmp_path: Path) -> 
                 os.kill(pid, signal.SIGKILL)
         proc.kill()
     assert not left, f"workers {left} still running 10 s after their launcher was SIGKILLed"
+
+
+_ENDING_WHILE_MAIN_EXITS = """
+import atexit, os, sys, threading, time
+from fullshard.launch import failures, subprocess_script
+from fullshard.launch.subprocess_script import SubprocessScriptLauncher
+
+launcher = SubprocessScriptLauncher(None, num_processes=2, num_nodes=1)
+launcher._failure_dir = failures.make_failure_directory()
+print(launcher._failure_dir, flush=True)
+# The watchdog ends the launch; stopping its children takes a while (their SIGTERM grace).
+launcher._stop_children = lambda: time.sleep(1.0)
+atexit.register(launcher._at_exit)
+threading.Thread(target=launcher._end, args=("ending the launch", 3), daemon=True).start()
+time.sleep(0.2)
+# ...and the main thread reaches its end meanwhile.
+"""
+
+
+def test_the_main_thread_lets_an_ending_watchdog_finish(tmp_path: Path) -> None:
+    """Rank 0's watchdog ends the launch (report, stop the children, remove the failure
+    records, `os._exit`) while the main thread runs out: the interpreter must not finalize
+    under it, which froze the daemon thread midway (launches under load ended with no reason
+    printed, or left an empty records directory behind)."""
+    proc = subprocess.run([sys.executable, "-c", _ENDING_WHILE_MAIN_EXITS], cwd=ROOT,
+                          env={**child_env(), "TMPDIR": str(tmp_path)}, capture_output=True,
+                          text=True, timeout=120)
+    directory = Path(proc.stdout.splitlines()[0])
+    assert proc.returncode == 3, (proc.returncode, proc.stderr[-2000:])
+    assert "fullshard: ending the launch" in proc.stderr
+    assert not directory.exists(), "the failure records were left behind"
