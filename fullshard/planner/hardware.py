@@ -41,6 +41,11 @@ Fields (SI units: FLOP/s, bytes/s, seconds, bytes):
     overlap           fraction of communication that can run while compute runs (1.0 on GPUs,
                       where collectives have their own streams and copy engines; lower on CPUs,
                       where gloo's threads share the cores with compute)
+    drift_per_s, drift_max  how far ranks that share cores drift apart while they compute:
+                      an exchange starts `min(drift_max, drift_per_s * c)` after it was
+                      issued, `c` the compute since the ranks last waited together (the first
+                      to arrive waits for the last; timing.py). Measured by
+                      `--hardware local`; 0 in the presets (a rank per GPU does not drift)
 
 Presets (data sheets: NVIDIA H100 SXM5, H200 SXM, A100 80GB SXM4, L40S; NVLink 4 = 900 GB/s
 both directions per GPU, NVLink 3 = 600 GB/s; ConnectX-7 NDR = 400 Gb/s per GPU, HDR = 200
@@ -82,6 +87,8 @@ class Hardware:
     regather_overhead: float = 0.0
     regather_param_overhead: float = 0.0
     overlap: float = 1.0
+    drift_per_s: float = 0.0
+    drift_max: float = 0.0
     backend: str = "nccl"
     host_bw: float = 25e9
     host_mem_bandwidth: float = 100e9

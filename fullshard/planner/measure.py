@@ -35,6 +35,11 @@ and between the ranks (the engine's own collectives, gloo loopback):
     regather_overhead, regather_param_overhead   the same for what FULL_SHARD adds to that
                     (ZeRO-3's second gather in backward), per unit and per parameter
 
+    drift_per_s, drift_max   how far the ranks drift apart while they compute (timing.py):
+                    a small all-gather reached from 1 and from 4 matmuls of the size above,
+                    less those matmuls alone and less the latency; the first, per second of
+                    its matmuls, is the rate, the larger of the two the cap (3 ranks on this
+                    2-core machine: ~0.35 and ~11 ms; 2 ranks: ~0.3 and ~3 ms)
     overlap         1 - what an exchange costs the compute running beside it, per second of
                     the exchange: 4 all-gathers of 512 KiB per rank issued asynchronously, then
                     matmuls for ~1.2x their time, then the waits, against each alone. gloo's
@@ -209,6 +214,7 @@ def measure_link() -> dict[str, float]:
     bandwidth = piece.nbytes * (n - 1) / max(gather - latency, 1e-9)
 
     overlap = _overlap(group, n)
+    drift_per_s, drift_max = _drift(group, n, latency)
 
     # The engine's fixed costs: 16 tiny units of k Linear(8, 8) each (2k parameters), wrapped
     # against unwrapped, per unit and pass; k = 1 and 6 separate the cost per unit from the
@@ -226,6 +232,7 @@ def measure_link() -> dict[str, float]:
     regather_param = max(extra[6] - extra[1], 0.0) / (12 - 2)
     regather = max(extra[1] - 2 * regather_param - share * latency, 0.0)
     return {"latency": latency, "bandwidth": bandwidth, "overlap": overlap,
+            "drift_per_s": drift_per_s, "drift_max": drift_max,
             "unit_overhead": per_unit,
             "param_overhead": per_param, "regather_overhead": regather,
             "regather_param_overhead": regather_param}
@@ -262,6 +269,31 @@ def _overlap(group, n: int) -> float:  # type: ignore[no-untyped-def]
     return min(max(1.0 - (both - compute_alone) / max(alone, 1e-9), 0.0), 1.0)
 
 
+def _drift(group, n: int, latency: float) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """(drift_per_s, drift_max): a small exchange reached from compute, less that compute and
+    less `latency` (module docstring). Every rank calls it (the exchanges are collectives)."""
+    from fullshard.distributed import comm
+
+    small = torch.zeros(256)
+    out = torch.empty(n * small.numel())
+    a, b = torch.randn(256, 1024), torch.randn(1024, 1024)
+    drifts = []
+    for k in (1, 4):
+        def compute(k: int = k) -> None:
+            for _ in range(k):
+                a @ b
+
+        def then_exchange(k: int = k) -> None:
+            compute(k)
+            comm.all_gather(out, small, group)
+
+        alone = _median_of(compute, repeats=5, inner=4)
+        both = _median_of(then_exchange, repeats=5, inner=4)
+        drifts.append((alone, max(both - alone - latency, 0.0)))
+    (short, first), (_, second) = drifts
+    return first / short, max(first, second)
+
+
 def _engine_seconds(linears: int, strategy: str) -> float:
     """Seconds per unit and pass that `strategy` adds to 16 units of `linears` Linear(8, 8)."""
     from torch import nn
@@ -292,6 +324,7 @@ def measure_ranks() -> dict[str, dict[str, float]]:
 _WORST = {"flops": min, "mem_bandwidth": min, "op_overhead": max, "attention_score_s": max,
           "transcendental_s": max, "optimizer_tensor_s": max,
           "optimizer_byte_s": max, "latency": max, "bandwidth": min, "overlap": min,
+          "drift_per_s": max, "drift_max": max,
           "unit_overhead": max, "param_overhead": max, "regather_overhead": max,
           "regather_param_overhead": max}
 
@@ -331,6 +364,7 @@ def measure_local(*, link: dict[str, float] | None = None,
         regather_overhead=link.get("regather_overhead", 0.0),
         regather_param_overhead=link.get("regather_param_overhead", 0.0),
         overlap=link.get("overlap", 0.5),
+        drift_per_s=link.get("drift_per_s", 0.0), drift_max=link.get("drift_max", 0.0),
         backend="gloo", host_bw=compute["mem_bandwidth"],
         host_mem_bandwidth=compute["mem_bandwidth"],
         optimizer_tensor_s=compute.get("optimizer_tensor_s", 0.0),

@@ -235,7 +235,8 @@ def _evaluate(cfg: Config, structure: ModelStructure, profile: ForwardProfile,
         times, zero3=reshard and cfg.mesh[1] > 1, root_regathered=not ROOT_GATHERED_ONCE,
         prefetch=cfg.prefetch_limit, max_pending_reductions=max_pending,
         micro_batches=cfg.accumulation, no_sync=cfg.no_sync, optimizer=opt,
-        overlap=hardware.overlap, tokens_per_micro_batch=mb * seq, names=names)
+        overlap=hardware.overlap, drift=(hardware.drift_per_s, hardware.drift_max),
+        tokens_per_micro_batch=mb * seq, names=names)
     return Evaluated(cfg, memory, step, memory.total <= budget)
 
 

@@ -53,6 +53,14 @@ more than `max_pending_reductions` in flight compute waits for the oldest. The r
 complete last (the embedding is the first op of forward), so its reduction is exposed. Then the
 optimizer step (`optimizer_seconds`).
 
+Ranks that share cores (more ranks than cores, or a loaded machine) drift apart while they
+compute, and an exchange completes only when the last of them reaches it: each exchange
+starts `min(drift_max, drift_per_s * c)` after it was issued, `c` the compute since the ranks
+last waited together (the last exchange compute waited for; at the start, the optimizer step),
+or when the queue is free, whichever is later. Behind a large unit's compute or a busy queue
+the drift is hidden; small units wait for it (`benchmarks/sync_cost.py`: 3 ranks on 2 cores
+drift 3 ms in 9 ms of compute, 11 ms in 38).
+
 Compute waits are the *exposed* communication. On CPUs the hidden part still costs
 `(1 - overlap)` of its time (gloo's threads take cores from compute). Gradient accumulation over
 `M` micro-batches either reduces every micro-batch or, under `no_sync`, only the last one (the
@@ -290,32 +298,51 @@ def simulate_step(
     no_sync: bool = True,
     optimizer: float = 0.0,
     overlap: float = 1.0,
+    drift: tuple[float, float] = (0.0, 0.0),
     tokens_per_micro_batch: int = 0,
     names: list[str] | None = None,
 ) -> StepTime:
-    """Replay one optimizer step (module docstring) and return its timing."""
+    """Replay one optimizer step (module docstring) and return its timing. `drift`:
+    (drift_per_s, drift_max) of the hardware."""
     q = _Queue()
     t = 0.0
     compute = 0.0
-    waited = 0.0
+    waited = 0.0  # compute waiting for exchanges, drift included
+    waited_on_queue = 0.0  # the part of it spent on the exchanges' own time (not hidden)
+    drift_per_s, drift_max = drift
+    met = -optimizer  # when the ranks last waited together: the previous step's last reduction
+
+    def done(at: float, duration: float) -> tuple[float, float]:
+        """(when an exchange issued at `at` completes, its time on the queue): it starts once
+        the last rank has reached it, `at` plus the drift since the ranks last met, and the
+        queue is free (so behind a busy queue the drift costs nothing)."""
+        late = min(drift_max, drift_per_s * max(at - met, 0.0))
+        return q.issue(at + late, duration), duration
+
+    def block(exchange: tuple[float, float]) -> None:
+        """Compute waits for an exchange: the ranks meet when it completes."""
+        nonlocal t, waited, waited_on_queue, met
+        until, duration = exchange
+        if until > t:
+            waited += until - t
+            waited_on_queue += min(until - t, duration)
+            t = met = until
+
     first_gather = times[0].gather if times else 0.0
     starved: set[int] = set()
     last_reduce = 0.0
     n = len(times)
     blocks = list(range(1, n))
-    gathered_until: dict[int, float] = {}  # unit -> when its gather completes (or completed)
+    gathered_until: dict[int, tuple[float, float]] = {}  # unit -> done() of its gather
 
     def issue(j: int, at: float) -> None:
         if j not in gathered_until:
-            gathered_until[j] = q.issue(at, times[j].gather)
+            gathered_until[j] = done(at, times[j].gather)
 
     def wait(j: int) -> None:
-        nonlocal t, waited
-        if gathered_until[j] > t:
-            waited += gathered_until[j] - t
-            if j != 0:
-                starved.add(j)
-            t = gathered_until[j]
+        if gathered_until[j][0] > t and j != 0:
+            starved.add(j)
+        block(gathered_until[j])
 
     for m in range(micro_batches):
         reduce_now = m == micro_batches - 1 or not no_sync
@@ -336,7 +363,7 @@ def simulate_step(
         t += times[0].forward
         compute += times[0].forward
         # -- backward: root's head, blocks reversed, root's embedding -------------------------
-        pending: list[float] = []
+        pending: list[tuple[float, float]] = []
         if zero3 and root_regathered:
             gathered_until.pop(0, None)
         border = [0, *reversed(blocks)]
@@ -353,11 +380,8 @@ def simulate_step(
             compute += work
             if reduce_now:
                 while len(pending) >= max_pending_reductions + 1:
-                    oldest = pending.pop(0)
-                    if oldest > t:
-                        waited += oldest - t
-                        t = oldest
-                pending.append(q.issue(t, times[i].reduce))
+                    block(pending.pop(0))
+                pending.append(done(t, times[i].reduce))
         work = times[0].backward + times[0].recompute
         if zero3 and root_regathered:
             work += times[0].regather
@@ -365,12 +389,11 @@ def simulate_step(
         compute += work
         if reduce_now:
             last_reduce = times[0].reduce
-            end = q.issue(t, times[0].reduce)
-            if end > t:
-                waited += end - t
-                t = end
+            block(done(t, times[0].reduce))
+        if pending:  # the drift can end an earlier reduction after the root's
+            block(max(pending))  # tuples: by completion
         t = max(t, q.free)
-    hidden = max(0.0, q.busy - waited)
+    hidden = max(0.0, q.busy - waited_on_queue)
     exposed = waited + (1.0 - overlap) * hidden
     step = t + (1.0 - overlap) * hidden + optimizer
     labels = names or [str(i) for i in range(n)]
