@@ -103,6 +103,9 @@ class UnitTimes:
     """Its gradient reduction: reduce-scatter, HYBRID/NO_SHARD all-reduce, offload copy."""
     regather: float = 0.0
     """Compute-side cost of ZeRO-3's second gather in backward (the engine's own work)."""
+    share: float = 1.0
+    """The fraction of one exchange the unit's collectives are (small units travel together):
+    the part of an exchange's fixed costs, latency and drift, it pays."""
 
 
 @dataclass(frozen=True)
@@ -239,7 +242,7 @@ def unit_times(
         fwd += gather_copy
         bwd += reduce_sum
         out.append(UnitTimes(fwd, bwd, fwd if i in checkpointed else 0.0, gather, reduce,
-                             regather if shard > 1 else 0.0))
+                             regather if shard > 1 else 0.0, share))
     return out
 
 
@@ -312,11 +315,12 @@ def simulate_step(
     drift_per_s, drift_max = drift
     met = -optimizer  # when the ranks last waited together: the previous step's last reduction
 
-    def done(at: float, duration: float) -> tuple[float, float]:
+    def done(at: float, duration: float, share: float) -> tuple[float, float]:
         """(when an exchange issued at `at` completes, its time on the queue): it starts once
-        the last rank has reached it, `at` plus the drift since the ranks last met, and the
-        queue is free (so behind a busy queue the drift costs nothing)."""
-        late = min(drift_max, drift_per_s * max(at - met, 0.0))
+        the last rank has reached it, `at` plus the drift since the ranks last met (a small
+        unit's `share` of it: one drift per exchange), and the queue is free (so behind a
+        busy queue the drift costs nothing)."""
+        late = share * min(drift_max, drift_per_s * max(at - met, 0.0))
         return q.issue(at + late, duration), duration
 
     def block(exchange: tuple[float, float]) -> None:
@@ -337,7 +341,7 @@ def simulate_step(
 
     def issue(j: int, at: float) -> None:
         if j not in gathered_until:
-            gathered_until[j] = done(at, times[j].gather)
+            gathered_until[j] = done(at, times[j].gather, times[j].share)
 
     def wait(j: int) -> None:
         if gathered_until[j][0] > t and j != 0:
@@ -381,7 +385,7 @@ def simulate_step(
             if reduce_now:
                 while len(pending) >= max_pending_reductions + 1:
                     block(pending.pop(0))
-                pending.append(done(t, times[i].reduce))
+                pending.append(done(t, times[i].reduce, times[i].share))
         work = times[0].backward + times[0].recompute
         if zero3 and root_regathered:
             work += times[0].regather
@@ -389,7 +393,7 @@ def simulate_step(
         compute += work
         if reduce_now:
             last_reduce = times[0].reduce
-            block(done(t, times[0].reduce))
+            block(done(t, times[0].reduce, times[0].share))
         if pending:  # the drift can end an earlier reduction after the root's
             block(max(pending))  # tuples: by completion
         t = max(t, q.free)

@@ -456,6 +456,47 @@ def test_time_model_schedule():
     assert every.comm - acc.comm == 3 * (1 + 4 * 3)
 
 
+def test_time_model_drift_between_ranks():
+    """Ranks that share cores drift apart while they compute: an exchange starts when the last
+    of them reaches it. Small units wait for that; a large unit's compute or a busy queue hides
+    it; a drift of 0 changes nothing."""
+    from fullshard.planner.timing import UnitTimes, simulate_step
+
+    drift = (0.5, 2.0)  # half a second per second of compute, at most 2
+
+    def steps(times):  # type: ignore[no-untyped-def]
+        return (simulate_step(times, zero3=True, prefetch=1, optimizer=1.0),
+                simulate_step(times, zero3=True, prefetch=1, optimizer=1.0, drift=drift))
+
+    # Small units: 1 of compute per pass between exchanges that take 0.1 (the latency-bound
+    # demo): every exchange waits for a drift of 0.5.
+    small = [UnitTimes(1.0, 1.0, 0.0, 0.1, 0.1)] * 5
+
+    def cost(times):  # type: ignore[no-untyped-def]
+        """What the drift adds to the step."""
+        bare, drifting = steps(times)
+        return drifting.step - bare.step
+
+    bare, drifting = steps(small)
+    assert drifting.comm == bare.comm  # the drift holds no link time
+    assert drifting.step - bare.step >= 5 * 0.5
+    assert drifting.exposed - bare.exposed == pytest.approx(drifting.step - bare.step)
+    # Large units, prefetched: the drift hides behind each block's compute, except where
+    # compute waits anyway: the first gathers (after the optimizer step), the first block of
+    # backward (gathered as forward ends) and the last reduction.
+    large = [UnitTimes(1.0, 2.0, 0.0, 1.0, 1.0)] + [UnitTimes(10.0, 20.0, 0.0, 1.0, 1.0)] * 4
+    bare, drifting = steps(large)
+    assert 0 < drifting.step - bare.step <= 3 * drift[1]
+    # Small units that travel together (a third of an exchange each) pay a third of it.
+    shared = [UnitTimes(1.0, 1.0, 0.0, 0.1, 0.1, share=1 / 3)] * 5
+    assert 0 < cost(shared) < cost(small)
+    # A busy queue (gathers far longer than compute): the drift is absorbed by the backlog.
+    busy = [UnitTimes(0.5, 1.0, 0.0, 10.0, 10.0)] * 5
+    bare, drifting = steps(busy)
+    assert drifting.step - bare.step <= 2 * drift[1]
+    assert simulate_step(small, zero3=True, drift=(0.0, 0.0)) == simulate_step(small, zero3=True)
+
+
 def _gloo_times(world: int, hardware, *, dim: int = 64):
     """unit_times of a 2-block model on `world` gloo ranks (FULL_SHARD), one sequence."""
     from fullshard.planner.estimate import resolve_precision_spec
