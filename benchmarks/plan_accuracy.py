@@ -302,12 +302,13 @@ def render(record: dict) -> str:
               "| config | strategy | N | peak_flops | mem_bandwidth | op_overhead | "
               "attention_score_s | transcendental_s | "
               "optimizer_tensor_s | optimizer_byte_s | unit_overhead | param_overhead | "
-              "regather_overhead | regather_param_overhead | intra_bw | intra_latency |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "regather_overhead | regather_param_overhead | intra_bw | intra_latency | "
+              "overlap | drift_per_s | drift_max |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     keys = ("peak_flops", "mem_bandwidth", "op_overhead", "attention_score_s",
             "transcendental_s", "optimizer_tensor_s", "optimizer_byte_s", "unit_overhead",
             "param_overhead", "regather_overhead", "regather_param_overhead", "intra_bw",
-            "intra_latency")
+            "intra_latency", "overlap", "drift_per_s", "drift_max")
     for r in record["rows"]:
         hw = r["hardware"]
         lines.append(f"| {r['config']} | {r['strategy']} | {r['world']} | "

@@ -9,7 +9,8 @@ they outnumber the cores (3 ranks on this 2-core machine) the scheduler lets the
 between exchanges, and the first to arrive waits for the last. On every rank at once (one torch
 thread each, every sample started together): `k` matmuls of (256 x 1024) @ (1024 x 1024), then
 the engine's small all-gather, against the same `k` matmuls alone; the difference per exchange,
-beside the idle latency. Printed, not recorded: a diagnostic of the planner's misses on 3 ranks.
+beside the idle latency. Printed, not recorded: the curve behind `--hardware local`'s
+`drift_per_s` and `drift_max` (which sample it after 1 and after 4 matmuls).
 """
 
 from __future__ import annotations
