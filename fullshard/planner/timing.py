@@ -57,8 +57,9 @@ Ranks that share cores (more ranks than cores, or a loaded machine) drift apart 
 compute, and an exchange completes only when the last of them reaches it: each exchange
 starts `min(drift_max, drift_per_s * c)` after it was issued, `c` the compute since the ranks
 last waited together (the last exchange compute waited for; at the start, the optimizer step),
-or when the queue is free, whichever is later. Behind a large unit's compute or a busy queue
-the drift is hidden; small units wait for it (`benchmarks/sync_cost.py`: 3 ranks on 2 cores
+or when the queue is free, whichever is later; small units that travel together pay their
+share of it, as of the latency. Behind a large unit's compute or a busy queue the drift is
+hidden; small units wait for it (`benchmarks/sync_cost.py`: 3 ranks on 2 cores
 drift 3 ms in 9 ms of compute, 11 ms in 38).
 
 Compute waits are the *exposed* communication. On CPUs the hidden part still costs
