@@ -31,6 +31,7 @@ import sys
 import threading
 from datetime import timedelta
 
+from fullshard.launch import failures
 from fullshard.launch.silence import SILENCE_VAR, Heartbeat
 
 LAUNCHER_GRACE_S = 5.0
@@ -43,6 +44,14 @@ class _NodeHeartbeat(Heartbeat):
     thread_name = "fullshard-node-heartbeat"
 
     def _fail(self, verdict: str) -> None:
+        # A rank of this node may have failed first (its own heartbeat's verdict comes within
+        # the ranks' bound) while torchelastic's agent, blocked on the silent store, never got
+        # to report it: name it as the launcher's report would.
+        first = failures.first_failure(os.environ.get(failures.FAILURE_DIR_VAR))
+        if first is not None:
+            sys.stderr.write(f"fullshard run: rank {first.rank} (local rank {first.local_rank}, "
+                             f"pid {first.pid}) failed with {first.error} (the first failure "
+                             f"on this node).\n")
         sys.stderr.write(f"fullshard run: node {self.me} is stopping the job: {verdict}; "
                          f"this node's ranks were killed.\n")
         sys.stderr.flush()

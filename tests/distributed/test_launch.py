@@ -5,6 +5,7 @@ every process gone and a non-zero exit within 20 s of the death, the failing ran
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -350,3 +351,28 @@ def test_the_main_thread_lets_an_ending_watchdog_finish(tmp_path: Path) -> None:
     assert proc.returncode == 3, (proc.returncode, proc.stderr[-2000:])
     assert "fullshard: ending the launch" in proc.stderr
     assert not directory.exists(), "the failure records were left behind"
+
+
+_NODE_BACKSTOP = """
+import os, sys, types
+from fullshard.launch import failures
+from fullshard.launch.node_silence import _NodeHeartbeat
+
+failures.make_failure_directory()
+failures.record_failure(1, 0, "SilentRank: the store has not answered for 11 s")
+_NodeHeartbeat._fail(types.SimpleNamespace(me=1), "the job's store has not answered for 15 s")
+"""
+
+
+def test_the_node_backstop_names_the_rank_that_failed_first(tmp_path: Path) -> None:
+    """When the launchers' heartbeat ends the job (torchelastic's agent blocked on a silent
+    store and never reported its failed rank), the launcher still names that rank, as its
+    report would (a cut store host left only the node's line, seen under load in CI)."""
+    proc = subprocess.run([sys.executable, "-c", _NODE_BACKSTOP], cwd=ROOT,
+                          env={**child_env(), "TMPDIR": str(tmp_path)}, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert re.search(r"fullshard run: rank 1 \(local rank 0, pid \d+\) failed with SilentRank: "
+                     r"the store has not answered for 11 s \(the first failure on this node\)",
+                     proc.stderr), proc.stderr[-2000:]
+    assert "fullshard run: node 1 is stopping the job: the job's store" in proc.stderr
