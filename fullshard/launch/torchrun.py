@@ -225,8 +225,15 @@ def _first_failure(error: Any, directory: str) -> str:
         rank, _ = error.get_first_failure()
     failure = error.failures[rank]
     code = failure.exitcode
-    how = (f"was killed by signal {failure.signal_name()}" if code < 0
-           else f"exited with code {code}")
+    if code == -signal.SIGTERM and rank in records:
+        # It raised first, and the agent's SIGTERM to the others reached it while it was
+        # still exiting (interpreter shutdown takes seconds under load): the signal is not
+        # how it failed.
+        how = "raised, and was stopped by the launcher's SIGTERM while exiting"
+    elif code < 0:
+        how = f"was killed by signal {failure.signal_name()}"
+    else:
+        how = f"exited with code {code}"
     return (f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how} "
             f"(the first failure{cause})")
 
