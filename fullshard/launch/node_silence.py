@@ -56,6 +56,8 @@ class _NodeHeartbeat(Heartbeat):
                          f"this node's ranks were killed.\n")
         sys.stderr.flush()
         kill_children()
+        # os._exit skips the launcher's `finally`, which removes this node's failure records
+        failures.remove_failure_directory(os.environ.get(failures.FAILURE_DIR_VAR))
         os._exit(1)
 
 

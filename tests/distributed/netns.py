@@ -59,10 +59,13 @@ def emulated_hosts(hosts: int) -> Iterator[Any]:
         net.down()
 
 
-def host_env(net: Any) -> dict[str, str]:
-    """The environment of a `fullshard run` inside a namespace: gloo over its `eth0`."""
+def host_env(net: Any, tmp: Path) -> dict[str, str]:
+    """The environment of a `fullshard run` inside a namespace: gloo over its `eth0`, temporary
+    files under `tmp` (a launcher the test SIGKILLs at the end, e.g. one waiting on a SIGSTOPped
+    rank, cannot remove its failure records or torchelastic's log directory)."""
+    (tmp / "tmp").mkdir(exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               GLOO_SOCKET_IFNAME=_cluster_net().HOST_IF)
+               GLOO_SOCKET_IFNAME=_cluster_net().HOST_IF, TMPDIR=str(tmp / "tmp"))
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                 "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS"):
         env.pop(var, None)

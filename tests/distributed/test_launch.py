@@ -374,7 +374,9 @@ _NodeHeartbeat._fail(types.SimpleNamespace(me=1), "the job's store has not answe
 def test_the_node_backstop_names_the_rank_that_failed_first(tmp_path: Path) -> None:
     """When the launchers' heartbeat ends the job (torchelastic's agent blocked on a silent
     store and never reported its failed rank), the launcher still names that rank, as its
-    report would (a cut store host left only the node's line, seen under load in CI)."""
+    report would (a cut store host left only the node's line, seen under load in CI), and
+    removes the node's failure records before it exits (its `os._exit` skips the launcher's
+    cleanup: every backstop left a `fullshard-failures-*` directory in /tmp)."""
     proc = subprocess.run([sys.executable, "-c", _NODE_BACKSTOP], cwd=ROOT,
                           env={**child_env(), "TMPDIR": str(tmp_path)}, capture_output=True,
                           text=True, timeout=120)
@@ -383,3 +385,4 @@ def test_the_node_backstop_names_the_rank_that_failed_first(tmp_path: Path) -> N
                      r"the store has not answered for 11 s \(the first failure on this node\)",
                      proc.stderr), proc.stderr[-2000:]
     assert "fullshard run: node 1 is stopping the job: the job's store" in proc.stderr
+    assert not list(tmp_path.glob("fullshard-failures-*")), "the failure records were left behind"

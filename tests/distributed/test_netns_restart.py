@@ -39,7 +39,7 @@ def test_a_killed_rank_restarts_both_hosts_and_resumes_exactly(tmp_path: Path) -
             log = tmp_path / f"host{host}.log"
             logs.append(log)
             with open(log, "w") as f:
-                procs.append(net.popen(host, cmd, cwd=ROOT, env=host_env(net), stdout=f,
+                procs.append(net.popen(host, cmd, cwd=ROOT, env=host_env(net, tmp_path), stdout=f,
                                        stderr=subprocess.STDOUT))
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and any(p.poll() is None for p in procs):

@@ -43,7 +43,7 @@ def _start(net, tmp_path: Path, restarts: int = 0
                             options=["--silence-timeout", f"{BOUND_S:g}",
                                      "--max-restarts", str(restarts)])
         with open(log, "w") as f:
-            procs.append(net.popen(host, cmd, cwd=ROOT, env=host_env(net), stdout=f,
+            procs.append(net.popen(host, cmd, cwd=ROOT, env=host_env(net, tmp_path), stdout=f,
                                    stderr=subprocess.STDOUT))
     return procs, logs, pids
 
