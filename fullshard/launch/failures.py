@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterable
@@ -111,3 +112,19 @@ def remove_failure_directory(directory: str | None) -> None:
         if not os.path.exists(directory):
             return
         time.sleep(0.02)
+
+
+def say_last_words(msg: str) -> None:
+    """A launcher's or a rank's last words before it ends the job (`fullshard: msg`), written
+    straight to file descriptor 2: the caller exits with `os._exit` next, often from a
+    watchdog thread, while the main thread may be anywhere, even shutting the interpreter down
+    (`sys.stderr` gone); a line through `sys.stderr` was lost that way under load (the launch
+    tests saw an exit with no reason)."""
+    try:
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001 - best effort on a dying process
+        pass
+    try:
+        os.write(2, f"fullshard: {msg}\n".encode())
+    except OSError:
+        pass

@@ -258,20 +258,17 @@ class _RankHeartbeat(Heartbeat):
         return first if now - self._consequence_seen >= board.CAUSE_WAIT_S else None
 
     def _fail_after(self, first: board.Posted) -> None:
-        from fullshard.launch.subprocess_script import _say
-
         said = first.describe()
-        _say(f"rank {self.rank} is stopping the job: {said} (the first failure)")
+        failures.say_last_words(
+            f"rank {self.rank} is stopping the job: {said} (the first failure)")
         failures.record_failure(self.rank, self.local_rank, f"PeerFailed: {said}", first=said)
         board.post_own_failure(self.rank, self.local_rank, "stopped", f"PeerFailed: {said}")
         os._exit(1)
 
     def _fail(self, verdict: str) -> None:
-        from fullshard.launch.subprocess_script import _say
-
         message = f"rank {self.rank} is stopping the job: {verdict}"
         # Said first: the post below may have to give up on a store that is cut off.
-        _say(message)
+        failures.say_last_words(message)
         failures.record_failure(self.rank, self.local_rank, f"SilentRank: {verdict}")
         board.post_own_failure(self.rank, self.local_rank, "stopped", f"SilentRank: {verdict}")
         os._exit(1)

@@ -63,21 +63,6 @@ def describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
-def _say(msg: str) -> None:
-    """The launcher's last words, written straight to file descriptor 2: the caller exits with
-    `os._exit` next, from a watchdog thread, while the main thread may be anywhere, even
-    shutting the interpreter down (`sys.stderr` gone); a line through `sys.stderr` was lost
-    that way under load (the launch tests saw an exit with no reason)."""
-    try:
-        sys.stdout.flush()
-    except Exception:  # noqa: BLE001 - best effort on a dying process
-        pass
-    try:
-        os.write(2, f"fullshard: {msg}\n".encode())
-    except OSError:
-        pass
-
-
 def install_rank_hooks(global_rank: int, local_rank: int) -> None:
     """Name this rank when it dies of an uncaught exception; in a child of our launcher, also
     exit as soon as the launching process (rank 0, or `fullshard run`) is gone; start the
@@ -107,7 +92,7 @@ def install_rank_hooks(global_rank: int, local_rank: int) -> None:
         previous(exc_type, exc, tb)
         if exc_type is not KeyboardInterrupt and not _LAUNCHING_PARENT:
             after = f", after {first.describe()} (the first failure)" if first else ""
-            _say(
+            failures.say_last_words(
                 f"rank {global_rank} (local rank {local_rank}, pid {os.getpid()}) failed with "
                 f"{cause}{after}"
             )
@@ -207,7 +192,8 @@ def _die_with_agent(agent_pid: int, global_rank: int) -> None:
 def _watch_parent(parent_pid: int, global_rank: int, who: str, stopped: threading.Event) -> None:
     while not stopped.is_set():
         if os.getppid() != parent_pid:
-            _say(f"rank {global_rank} (pid {os.getpid()}): {who} is gone; exiting.")
+            failures.say_last_words(
+                f"rank {global_rank} (pid {os.getpid()}): {who} is gone; exiting.")
             # A SIGKILLed launcher cleaned nothing up; its failure records have no reader.
             failures.remove_failure_directory(os.environ.get(failures.FAILURE_DIR_VAR))
             os._exit(1)
@@ -314,7 +300,7 @@ class SubprocessScriptLauncher:
             self._ending = True
         if not first:
             self._await_end(status)
-        _say(message)
+        failures.say_last_words(message)
         self._stop_children()
         failures.remove_failure_directory(self._failure_dir)
         os._exit(status)
