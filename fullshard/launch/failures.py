@@ -87,12 +87,40 @@ def first_failure(
     return min(records.values(), key=lambda rec: rec.time, default=None)
 
 
+_PREFIX = "fullshard-failures-"
+
+
 def make_failure_directory() -> str:
     """A fresh directory for this launch's records, named in this process's environment so
-    the ranks it starts inherit it."""
-    directory = tempfile.mkdtemp(prefix="fullshard-failures-")
+    the ranks it starts inherit it. Its name holds this launcher's pid: a launcher that was
+    SIGKILLed removed nothing (its workers die with it by `PR_SET_PDEATHSIG`, no cleanup
+    either), so each new one first removes the directories of launchers that are gone."""
+    _remove_orphans(tempfile.gettempdir())
+    directory = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-")
     os.environ[FAILURE_DIR_VAR] = directory
     return directory
+
+
+def _remove_orphans(parent: str) -> None:
+    """Remove the record directories under `parent` that this user's dead launchers left.
+    Never raises; a directory of a live pid, of another user or of an older name is kept."""
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(_PREFIX):].split("-", 1)[0]
+        path = os.path.join(parent, name)
+        if not pid.isdigit() or "-" not in name[len(_PREFIX):]:
+            continue
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)  # raises if no such process
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:  # alive under another user, or not ours to judge
+            continue
 
 
 def remove_failure_directory(directory: str | None) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import tempfile
 import traceback
 
@@ -149,6 +150,7 @@ def _hf_surface() -> dict:
         with open(os.path.join(path[0], "config.json")) as f:
             out["architectures"] = json.load(f)["architectures"]
         loaded = transformers.GPT2LMHeadModel.from_pretrained(path[0])
+        shutil.rmtree(path[0], ignore_errors=True)
         assert all(torch.equal(loaded.state_dict()[k], v) for k, v in ref.state_dict().items())
     # load_original_state_dict writes into the shards the optimizer holds
     shards = [p for p in model.parameters()]

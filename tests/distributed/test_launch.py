@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -153,8 +154,22 @@ def test_failure_records_order_the_ranks(tmp_path: Path, monkeypatch) -> None:
     assert failures.first_failure(str(tmp_path), among=[0]).rank == 0
     assert not list(tmp_path.glob("*.tmp"))
 
+    # a SIGKILLed launcher's directory (its pid is gone) is removed by the next launch;
+    # a live launcher's, and one named the old way (no pid), are kept
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = tmp_path / f"fullshard-failures-{dead.pid}-abc123"
+    live = tmp_path / f"fullshard-failures-{os.getppid()}-def456"
+    old = tmp_path / "fullshard-failures-ghi789"
+    for d in (orphan, live, old):
+        d.mkdir()
+    (orphan / "rank-1.json").write_text("{}")
     made = failures.make_failure_directory()
     assert os.environ[failures.FAILURE_DIR_VAR] == made and os.path.isdir(made)
+    assert Path(made).name.startswith(f"fullshard-failures-{os.getpid()}-")
+    assert not orphan.exists() and live.is_dir() and old.is_dir()
     failures.remove_failure_directory(made)
     assert not os.path.exists(made) and failures.FAILURE_DIR_VAR not in os.environ
 
@@ -307,7 +322,9 @@ def test_a_sigkilled_fullshard_run_takes_its_workers_with_it(tmp_path: Path) -> 
     proc = subprocess.Popen(
         [*FULLSHARD, "run", "--nproc-per-node", "2", str(ROOT / "tests/distributed/"
          "plain_fsdp_loop.py"), "--pids-dir", str(pids)],
-        cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # TMPDIR: the killed launcher's failure records stay here (the next launch removes them)
+        cwd=ROOT, env={**child_env(), "TMPDIR": str(tmp_path)}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 240
         while len(list(pids.glob("rank*.pid"))) < 2 and proc.poll() is None:
