@@ -17,6 +17,7 @@ exit codes when no record exists.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -92,34 +93,52 @@ _PREFIX = "fullshard-failures-"
 
 def make_failure_directory() -> str:
     """A fresh directory for this launch's records, named in this process's environment so
-    the ranks it starts inherit it. Its name holds this launcher's pid: a launcher that was
-    SIGKILLed removed nothing (its workers die with it by `PR_SET_PDEATHSIG`, no cleanup
-    either), so each new one first removes the directories of launchers that are gone."""
-    _remove_orphans(tempfile.gettempdir())
-    directory = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-")
+    the ranks it starts inherit it. A launcher that was SIGKILLed removes nothing (its
+    workers die with it by `PR_SET_PDEATHSIG`, no cleanup either), so on Linux the name holds
+    this launcher's process (`_process_tag`) and each new launch first removes the directories
+    of launchers of this machine and pid namespace that are gone."""
+    tag = _process_tag()
+    if tag is not None:
+        _remove_orphans(tempfile.gettempdir(), tag.split(".")[0])
+    directory = tempfile.mkdtemp(prefix=f"{_PREFIX}{tag}-" if tag else _PREFIX)
     os.environ[FAILURE_DIR_VAR] = directory
     return directory
 
 
-def _remove_orphans(parent: str) -> None:
-    """Remove the record directories under `parent` that this user's dead launchers left.
-    Never raises; a directory of a live pid, of another user or of an older name is kept."""
+def _process_tag() -> str | None:
+    """`<where>.<pid>` of this process, `where` a hash of the boot (this machine, this boot)
+    and the pid namespace (this container): a pid means something only there. None where
+    Linux's /proc does not say."""
     try:
-        names = [n for n in os.listdir(parent) if n.startswith(_PREFIX)]
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+    where = hashlib.sha1(f"{boot}/{namespace}".encode()).hexdigest()[:8]
+    return f"{where}.{os.getpid()}"
+
+
+def _remove_orphans(parent: str, where: str) -> None:
+    """Remove the record directories under `parent` that this user's dead launchers of
+    `where` left. Never raises; a directory of a live pid, of another user, machine or
+    container, or of an older name is kept."""
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(f"{_PREFIX}{where}.")]
     except OSError:
         return
     for name in names:
-        pid = name[len(_PREFIX):].split("-", 1)[0]
-        path = os.path.join(parent, name)
-        if not pid.isdigit() or "-" not in name[len(_PREFIX):]:
+        pid = name[len(_PREFIX) + len(where) + 1:].partition("-")[0]
+        if not pid.isdigit():
             continue
+        path = os.path.join(parent, name)
         try:
             if os.stat(path).st_uid != os.getuid():
                 continue
             os.kill(int(pid), 0)  # raises if no such process
         except ProcessLookupError:
             shutil.rmtree(path, ignore_errors=True)
-        except OSError:  # alive under another user, or not ours to judge
+        except OSError:  # alive under another user, or gone meanwhile
             continue
 
 

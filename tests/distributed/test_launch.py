@@ -155,21 +155,23 @@ def test_failure_records_order_the_ranks(tmp_path: Path, monkeypatch) -> None:
     assert not list(tmp_path.glob("*.tmp"))
 
     # a SIGKILLed launcher's directory (its pid is gone) is removed by the next launch;
-    # a live launcher's, and one named the old way (no pid), are kept
+    # a live launcher's, another machine's or container's, and one named the old way are kept
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    orphan = tmp_path / f"fullshard-failures-{dead.pid}-abc123"
-    live = tmp_path / f"fullshard-failures-{os.getppid()}-def456"
-    old = tmp_path / "fullshard-failures-ghi789"
-    for d in (orphan, live, old):
+    where = failures._process_tag().split(".")[0]
+    orphan = tmp_path / f"fullshard-failures-{where}.{dead.pid}-abc123"
+    kept = [tmp_path / f"fullshard-failures-{where}.{os.getppid()}-def456",
+            tmp_path / f"fullshard-failures-0badc0de.{dead.pid}-jkl012",
+            tmp_path / "fullshard-failures-ghi789"]
+    for d in (orphan, *kept):
         d.mkdir()
     (orphan / "rank-1.json").write_text("{}")
     made = failures.make_failure_directory()
     assert os.environ[failures.FAILURE_DIR_VAR] == made and os.path.isdir(made)
-    assert Path(made).name.startswith(f"fullshard-failures-{os.getpid()}-")
-    assert not orphan.exists() and live.is_dir() and old.is_dir()
+    assert Path(made).name.startswith(f"fullshard-failures-{where}.{os.getpid()}-")
+    assert not orphan.exists() and all(d.is_dir() for d in kept)
     failures.remove_failure_directory(made)
     assert not os.path.exists(made) and failures.FAILURE_DIR_VAR not in os.environ
 
