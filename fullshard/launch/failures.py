@@ -95,40 +95,40 @@ def make_failure_directory() -> str:
     """A fresh directory for this launch's records, named in this process's environment so
     the ranks it starts inherit it. A launcher that was SIGKILLed removes nothing (its
     workers die with it by `PR_SET_PDEATHSIG`, no cleanup either), so on Linux the name holds
-    this launcher's process (`_process_tag`) and each new launch first removes the directories
-    of launchers of this machine and pid namespace that are gone."""
-    tag = _process_tag()
-    if tag is not None:
-        _remove_orphans(tempfile.gettempdir(), tag.split(".")[0])
-    directory = tempfile.mkdtemp(prefix=f"{_PREFIX}{tag}-" if tag else _PREFIX)
+    where this launcher runs (`_pid_space`) and its pid, and each new launch first removes
+    the directories of launchers of the same pid space that are gone."""
+    space = _pid_space()
+    if space is None:
+        directory = tempfile.mkdtemp(prefix=_PREFIX)
+    else:
+        _remove_orphans(tempfile.gettempdir(), f"{_PREFIX}{space}.")
+        directory = tempfile.mkdtemp(prefix=f"{_PREFIX}{space}.{os.getpid()}-")
     os.environ[FAILURE_DIR_VAR] = directory
     return directory
 
 
-def _process_tag() -> str | None:
-    """`<where>.<pid>` of this process, `where` a hash of the boot (this machine, this boot)
-    and the pid namespace (this container): a pid means something only there. None where
-    Linux's /proc does not say."""
+def _pid_space() -> str | None:
+    """Where a pid of this process means something: a hash of the boot (this machine, this
+    boot) and the pid namespace (this container). None where Linux's /proc does not say."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
         namespace = os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return None
-    where = hashlib.sha1(f"{boot}/{namespace}".encode()).hexdigest()[:8]
-    return f"{where}.{os.getpid()}"
+    return hashlib.sha1(f"{boot}/{namespace}".encode()).hexdigest()[:8]
 
 
-def _remove_orphans(parent: str, where: str) -> None:
-    """Remove the record directories under `parent` that this user's dead launchers of
-    `where` left. Never raises; a directory of a live pid, of another user, machine or
-    container, or of an older name is kept."""
+def _remove_orphans(parent: str, head: str) -> None:
+    """Remove the record directories `<head><pid>-*` under `parent` that this user's dead
+    launchers left. Never raises; a directory of a live pid, of another user, or named
+    otherwise (another machine or container, an older name) is kept."""
     try:
-        names = [n for n in os.listdir(parent) if n.startswith(f"{_PREFIX}{where}.")]
+        names = [n for n in os.listdir(parent) if n.startswith(head)]
     except OSError:
         return
     for name in names:
-        pid = name[len(_PREFIX) + len(where) + 1:].partition("-")[0]
+        pid = name[len(head):].partition("-")[0]
         if not pid.isdigit():
             continue
         path = os.path.join(parent, name)

@@ -172,23 +172,21 @@ def _checkpoint_round_trip(strategy: fullshard.FSDPStrategy, model: nn.Module) -
 
     top = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(top)
-    path = [top[0] + "/ckpt"]
-    try:
-        before = [p.detach().clone() for p in model.parameters()]
-        state = {"model": model, "step": 3}
-        strategy.save_checkpoint(path[0], state)
-        assert state["model"] is model  # the caller's dict is left as it was
-        with torch.no_grad():
-            for p in model.parameters():
-                p.zero_()
-        state["step"] = 0
-        strategy.load_checkpoint(path[0], state)
-        assert state == {"model": model, "step": 3}
-        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
-    finally:
-        dist.barrier()  # every rank has read the checkpoint
-        if dist.get_rank() == 0:
-            shutil.rmtree(top[0], ignore_errors=True)
+    path = top[0] + "/ckpt"
+    before = [p.detach().clone() for p in model.parameters()]
+    state = {"model": model, "step": 3}
+    strategy.save_checkpoint(path, state)
+    assert state["model"] is model  # the caller's dict is left as it was
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    state["step"] = 0
+    strategy.load_checkpoint(path, state)
+    assert state == {"model": model, "step": 3}
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    dist.barrier()  # every rank has read the checkpoint
+    if dist.get_rank() == 0:
+        shutil.rmtree(top[0], ignore_errors=True)
 
 
 def _unwrapped_names(ref: TinyGPT, how: str) -> nn.Module:

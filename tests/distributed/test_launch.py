@@ -160,7 +160,7 @@ def test_failure_records_order_the_ranks(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    where = failures._process_tag().split(".")[0]
+    where = failures._pid_space()
     orphan = tmp_path / f"fullshard-failures-{where}.{dead.pid}-abc123"
     kept = [tmp_path / f"fullshard-failures-{where}.{os.getppid()}-def456",
             tmp_path / f"fullshard-failures-0badc0de.{dead.pid}-jkl012",
