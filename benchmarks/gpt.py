@@ -1,7 +1,7 @@
 """The benchmark model and data: a small GPT-style decoder, its two sizes, the token pool.
 
-The model is the one `shared/research/peers_perf.md` measured FSDP2, DDP and DeepSpeed on, so
-our numbers line up with those:
+The model is the one the project first measured FSDP2, DDP and DeepSpeed on (before fullshard
+existed), kept so later numbers stay comparable:
 
 - token embedding (vocab 8192) plus a learned position embedding;
 - `layers` pre-norm `Block`s: LayerNorm -> qkv Linear -> causal SDPA (heads = dim / 64) -> proj,

@@ -232,8 +232,8 @@ def deepspeed_config(micro_batch: int) -> dict:
     """True ZeRO-3 (re-gather in backward) without DeepSpeed's default gradient clipping of 1.0.
 
     With DeepSpeed's defaults for the three stage-3 knobs a model below the 5e7-element
-    prefetch bucket stays gathered from forward to backward (ZeRO-2 traffic); see
-    shared/research/peers_perf.md section 6.
+    prefetch bucket stays gathered from forward to backward (ZeRO-2 traffic): setting them
+    to 0 is what makes it re-gather in backward.
     """
     return {
         "train_micro_batch_size_per_gpu": micro_batch,
