@@ -84,7 +84,7 @@ def unwrap_for_units(module: nn.Module) -> tuple[nn.Module, Callable[[nn.Module]
     """`(the model torch.compile wrapped, finish)`: `finish(sharded)` compiles each non-root
     unit's forward with the model's compile options and returns the sharded root under an
     `OptimizedModule` with them (`api.compiled.unwrap_compiled`'s), its own frame eager (see
-    the note on the root's frame). A module that is not compiled: `(module, identity)`."""
+    [Note: the root's frame runs eagerly]). A module that is not compiled: `(module, identity)`."""
     contexts = []  # outermost first
     current = module
     while is_compiled(current):

@@ -401,7 +401,8 @@ class Precision:
             self.scaler.load_state_dict(state)
 
 
-# -- Lightning's view of the same object (see [Note: Lightning's utilities ...]) ----------------
+# -- Lightning's view of the same object ----------------------------------------------------------
+# See [Note: Lightning's utilities and `strategy.precision`].
 _LIGHTNING_PLUGIN_MODULES = ("lightning.fabric.plugins", "lightning_fabric.plugins")
 _COMPAT_CLASSES: dict[tuple[type, ...], type] = {}
 

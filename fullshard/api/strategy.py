@@ -16,7 +16,7 @@ Meanings where Lightning's FSDP and ours differ on purpose:
   global inf check).
 - a tuple `device_mesh` is checked against the world size by us, on CPU and CUDA alike.
 - torch FSDP's keywords are honoured or warned about once where they have no effect
-  ([Note: torch FSDP's keywords] in `strategy_args`); other keywords are a `TypeError`.
+  (see [Note: torch FSDP's keywords] in api/strategy_args.py); other keywords are a `TypeError`.
 - `module_sharded_context()` is torch's `enable_wrap`: `wrap()`ped modules become units.
 - ignored parameters count in `clip_gradients_norm` with their local gradients, added after
   the reduction of the shards' norms, as torch FSDP does.

@@ -118,8 +118,8 @@ def _backward_prefetch(value: object) -> bool:
 
 def check_engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], TorchFSDPOptions]:
     """Split `**kwargs` into engine options for `fullshard.fsdp` (torch FSDP keywords
-    translated, see the note above) and what `setup_module` checks; anything else is a
-    `TypeError` naming it."""
+    translated, see [Note: torch FSDP's keywords]) and what `setup_module` checks; anything
+    else is a `TypeError` naming it."""
     unknown = [k for k in kwargs if k not in ENGINE_OPTIONS and k not in TORCH_FSDP_OPTIONS]
     if unknown:
         raise TypeError(

@@ -10,7 +10,8 @@ for (`all_gather`, `reduce_scatter`, `all_reduce`, `broadcast`, `scatter`) -- wi
 - `wire_bytes`: what this rank actually sends for it with the algorithm we used.
 
 On gloo, all-gathers and reduce-scatters run as point-to-point exchanges (pairwise.py holds
-the algorithms and the notes on them and on ranks that run different units); comm.py decides
+the algorithms: see [Note: gloo's all-gather and reduce-scatter] in distributed/pairwise.py,
+and [Note: ranks that run different units] in distributed/pairwise.py); comm.py decides
 which one runs: one message per piece for large exchanges, one packed message per peer for
 small ones (`_small`), several small collectives in one exchange when the engine issues them
 together (`all_gather_batch`, `reduce_scatter_batch`, `all_reduce_batch`: each still counts as
@@ -137,7 +138,7 @@ def all_gather(
     exchanges, which go as one message per peer and are placed by one copy (`_small`).
 
     `label` (e.g. the unit and bucket) goes into the tags and, with `check`, into a header
-    checked on gloo: see the note on ranks that run different units.
+    checked on gloo: see [Note: ranks that run different units] in distributed/pairwise.py.
     """
     if group.size == 1:
         output.copy_(input.reshape(output.shape))
@@ -213,7 +214,7 @@ def _batchable(items: Sequence[Any], nbytes: int, tensors: Iterable[torch.Tensor
 
 def _header_capacity() -> int:
     """Bytes of every receive that may meet a header: the largest folded message (see
-    pairwise.py's note on ranks that run different units), in whole int64 words."""
+    [Note: ranks that run different units] in distributed/pairwise.py), in int64 words."""
     return HEADER_MAX + -(-max(COALESCE_BYTES, 0) // 8) * 8
 
 

@@ -84,9 +84,9 @@ def comm_stats() -> dict[str, dict[str, int]]:
 
 
 def header_stats() -> dict[str, int]:
-    """The divergence headers this process sent since the last reset (pairwise.py's note on
-    ranks that run different units): not in `comm_stats()`, which counts the collectives'
-    data; `bytes` is what they add on the wire, folded into data messages or not."""
+    """The divergence headers this process sent since the last reset (see [Note: ranks that
+    run different units] in distributed/pairwise.py): not in `comm_stats()`, which counts the
+    collectives' data; `bytes` is what they add on the wire, folded into data messages or not."""
     return {"messages": _COUNTERS.header_messages, "bytes": _COUNTERS.header_bytes}
 
 

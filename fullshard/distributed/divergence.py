@@ -1,4 +1,6 @@
-"""Naming the exchanges of ranks that run different units (see comm.py's note on them).
+"""Naming the exchanges of ranks that run different units.
+
+See [Note: ranks that run different units] in distributed/pairwise.py.
 
 Pure bookkeeping, no communication: each exchange is identified by the crc32 of its kind and
 label (the unit and bucket), which goes into its point-to-point tags and its header; a

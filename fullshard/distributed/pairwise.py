@@ -141,8 +141,9 @@ def _parse(row: torch.Tensor) -> tuple[int, ...]:
 
 
 class _Posts:
-    """The point-to-point messages of one exchange, posted receives first (see the note on
-    posting order): collect them with `send` / `recv`, then `post()` returns the works."""
+    """The point-to-point messages of one exchange, posted receives first (see [Note:
+    receives are posted first]): collect them with `send` / `recv`, then `post()` returns the
+    works."""
 
     __slots__ = ("group", "sends", "recvs")
 

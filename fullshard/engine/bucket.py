@@ -8,7 +8,8 @@ Memory layout (S = shard-axis size, L = sum of the params' padded shard sizes):
     gather out   (S*L,)   the all-gather output, *rank-major*: [rank0: p1 p2 | rank1: p1 p2].
     unsharded    (S*L,)   *parameter-major*: each parameter's S*c padded rows contiguous, so the
                           tensors handed to modules are plain views of one buffer we track
-                          (see the ZeRO-3 note in hooks.py). With one parameter per bucket the
+                          (see [Note: ZeRO-3 and saved tensors] in engine/saved_params.py).
+                          With one parameter per bucket the
                           two layouts coincide, and where the collective can land each piece in
                           place (gloo's pairwise exchange, comm.gathers_segments) the gather
                           output is parameter-major already: no copy-out, no second buffer.
@@ -113,7 +114,8 @@ class Bucket:
 
     def set_label(self, unit_name: str, index: int, *, first_trainable: bool) -> None:
         """Name this bucket in its collectives, so ranks that run different units get an
-        error naming them (comm's note on ranks that run different units). Only a unit's
+        error naming them (see [Note: ranks that run different units] in
+        distributed/pairwise.py). Only a unit's
         first bucket (first trainable one for reductions) sends the header: divergence starts
         at a unit's first collective."""
         self.check_gather, self.check_reduce = index == 0, first_trainable

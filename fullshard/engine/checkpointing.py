@@ -25,7 +25,7 @@ copy was released). Two kinds of region:
 
 How the recomputed graph's gradients reach the reductions (it is never differentiated under
 non-reentrant checkpointing and is the only route under reentrant checkpointing) is the
-unit's business: see unit.py, [Note: recomputed forwards].
+unit's business: see [Note: recomputed forwards] in engine/unit.py.
 """
 
 from __future__ import annotations

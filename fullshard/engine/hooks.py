@@ -14,12 +14,12 @@ backward  `GatheredParams.backward` (once per unit, when its gradients are compl
 end       a callback queued on the autograd engine finishes all reductions and releases every
           unit, so nothing unsharded survives the step.
 
-[Note: small units travel together] is small_units.py's: the gathers ahead (`_gather_ahead`)
-and the held reductions (`_queue_reductions`) follow its budgets.
+The gathers ahead (`_gather_ahead`) and the held reductions (`_queue_reductions`) follow
+small_units.py's budgets: see [Note: small units travel together] in engine/small_units.py.
 
 [Note: what a training loop may do between steps]
-The loop is the user's (design §2.7); the runtime keeps no state that a step that went wrong
-could leave behind:
+The loop is the user's (docs/architecture.md, invariant 7); the runtime keeps no state that a
+step that went wrong could leave behind:
 - a backward that raised never runs its end-of-backward callback. The callback records the
   autograd task it was queued for (`callback_task`); the next root forward or `zero_grad`
   finds it still set and discards the step (`_discard_step`): waits for and drops its
@@ -65,14 +65,8 @@ backward would issue anyway; it is counted when it is issued, before `loss.backw
 transient memory is the prefetch's, within the limit. A forward with grad that no backward
 follows leaves them gathered until the next step uses or releases them, as it leaves the root.
 
-[Note: recomputation]
-Activation checkpointing reruns unit forwards *inside* backward. There the pre-hook gathers as
-usual but records no order, prefetches nothing, pushes no saved-tensor hooks (checkpoint's own
-hooks must see the recomputed tensors), installs through an uncounted `RecomputedParams` node
-(unit.py, [Note: recomputed forwards]) and does not release after forward: the unit is being
-used by backward and is released by its `GatheredParams.backward` as always. A checkpointed
-region that is not itself a unit reads the parameters of the units enclosing it, whose hooks
-do not run again: checkpointing.py installs those (`gather_for_recompute`).
+Activation checkpointing reruns unit forwards inside backward: what the hooks do then is
+[Note: recomputed forwards] in engine/unit.py.
 """
 
 from __future__ import annotations
@@ -147,7 +141,8 @@ class Runtime:
         self.pending: collections.deque[list[PendingReduction]] = collections.deque()
         self._reduce_batch: list[PendingReduction] = []
         # Autograd task whose end-of-backward callback is queued and has not run yet; a
-        # value that outlives its task marks a backward that raised (see the Note above).
+        # value that outlives its task marks a backward that raised (see [Note: what a
+        # training loop may do between steps]).
         self.callback_task: int | None = None
         self._grad_mode_task = -1  # task for which `_returns_grads` was decided
         self._returns_grads = False  # this task is torch.autograd.grad: return, don't write
@@ -193,7 +188,7 @@ class Runtime:
         self._wait(unit)
         with_grad = torch.is_grad_enabled()
         if recomputing:
-            unit.install_recomputed(self)  # uncounted node (unit.py, recomputed forwards)
+            unit.install_recomputed(self)  # see [Note: recomputed forwards] in engine/unit.py
         else:
             unit.install(self, with_grad=with_grad, pass_id=self.pass_id)
         if unit is self.root and self._wants_saved_tensor_hooks(with_grad, recomputing):
@@ -323,8 +318,8 @@ class Runtime:
         )
 
     def _release_after_forward(self, unit: Unit, reshard: bool) -> bool:
-        """Release `unit` after its forward? `reshard`: the plan's choice for it (see the
-        note on the root)."""
+        """Release `unit` after its forward? `reshard`: the plan's choice for it (see
+        [Note: the root stays gathered])."""
         if _in_backward():
             return False  # recomputation: backward is using the unit
         if not torch.is_grad_enabled() or not unit.trainable_params:
@@ -380,8 +375,8 @@ class Runtime:
 
     def _prefetch_backward_start(self, order: list[Unit]) -> None:
         """ZeRO-3, the root's forward is done: start gathering again the first
-        `backward_prefetch_limit` units backward will need (see the note on the turn from
-        forward to backward)."""
+        `backward_prefetch_limit` units backward will need (see [Note: the turn from forward
+        to backward])."""
         if self.backward_prefetch_limit <= 0:
             return
         ahead = list(dict.fromkeys(u for u in order if not u.is_gathered))

@@ -9,7 +9,7 @@ whether a model is wrapped and the original class's behaviour is otherwise untou
 The subclass is created with `type(...)`, which runs the original class's metaclass and
 `__init_subclass__` (transformers' `PreTrainedModel.__init_subclass__` evaluates the type hints
 of the whole MRO). So nothing here may carry an annotation that cannot be evaluated at run
-time (no `TYPE_CHECKING`-only names; design.md invariant 8), and the subclass keeps the
+time (no `TYPE_CHECKING`-only names; docs/architecture.md, invariant 8), and the subclass keeps the
 original `__name__`, `__qualname__` and `__module__`: libraries read the class name (HF writes
 it into `config.architectures` on `save_pretrained`, derives `loss_type` from it), and it must
 be the model's own. The mixin adds no class attributes a library could look up by accident

@@ -1,6 +1,7 @@
-"""Small units travel together: the byte budgets within which the runtime (hooks.py) sends
-several units' gathers, or holds several units' reductions, as one exchange.
+"""The byte budgets within which the runtime (hooks.py) sends several small units' gathers, or
+holds several units' reductions, as one exchange.
 
+[Note: small units travel together]
 Each exchange has a fixed cost (on gloo a message round, ~0.1-1 ms in a busy step) that a
 small unit cannot hide behind its compute. Where the backend can send several collectives as
 one exchange (gloo's pairwise path, comm.all_gather_batch), the runtime gathers ahead, beyond
@@ -24,10 +25,10 @@ from fullshard.distributed.mesh import ShardMesh
 
 SMALL_UNITS_BYTES = 1 << 20
 """Bytes per rank of small units gathered ahead (and of their gradients held) to travel in one
-exchange, where the backend allows (see the note on small units). A memory decision: it bounds
-what ZeRO-3 holds beyond `prefetch_limit` units (at 4 MiB the 8-layer demo model would be
-gathered whole), kept apart from comm.COALESCE_BYTES, the size up to which one exchange is
-packed into one message, and capped by it."""
+exchange, where the backend allows (see [Note: small units travel together]). A memory
+decision: it bounds what ZeRO-3 holds beyond `prefetch_limit` units (at 4 MiB the 8-layer demo
+model would be gathered whole), kept apart from comm.COALESCE_BYTES, the size up to which one
+exchange is packed into one message, and capped by it."""
 
 
 def small_units_bytes() -> int:

@@ -26,8 +26,16 @@ backward is released as soon as gradients have flowed through it). `node_done` c
 the gradients of a unit called several times are summed until the last node and reduced once.
 
 [Note: recomputed forwards]
-Activation checkpointing runs a unit's forward again inside backward. What the recomputed
-graph is for depends on the checkpoint flavour, and the unit cannot tell them apart:
+Activation checkpointing runs a unit's forward again inside backward. There the runtime's
+pre-hook (hooks.py) gathers the unit as usual but records no order, prefetches nothing, pushes
+no saved-tensor hooks (checkpoint's own hooks must see the recomputed tensors), installs
+through `RecomputedParams` (below) and does not release after forward: backward is using the
+unit, and its `GatheredParams.backward` releases it as always. A checkpointed region that is
+not itself a unit reads the parameters of the units enclosing it, whose hooks do not run
+again: checkpointing.py gathers and installs those (`Runtime.gather_for_recompute`).
+
+What the recomputed graph is for depends on the checkpoint flavour, and the unit cannot tell
+them apart:
 - non-reentrant: the recomputed tensors only refill the saved slots of the *original* graph,
   whose `GatheredParams` node routes the gradients; the recomputed graph is never run
   backward. A `GatheredParams` created here would be counted and never run: the unit would
@@ -108,7 +116,7 @@ class RecomputedParams(torch.autograd.Function):
     """`GatheredParams` for a recomputation inside backward (activation checkpointing).
 
     Its node is not counted among the unit's nodes of the pass (see [Note: recomputed
-    forwards] in the module docstring); its backward, which runs only when a reentrant
+    forwards]); its backward, which runs only when a reentrant
     checkpoint differentiates the recomputed graph, adds the unit's gradients to the unit's
     sum of the pass instead of reducing them."""
 

@@ -3,8 +3,8 @@ starts local ranks 1..N-1 as subprocesses running the same command (as Lightning
 `_SubprocessScriptLauncher` does). The children find `LOCAL_RANK` in their environment and do
 not launch again.
 
-Rank death (design invariant 6: a dead rank makes the others fail within seconds, not after
-the 30-minute collective timeout):
+Rank death (docs/architecture.md, invariant 6: a dead rank makes the others fail within
+seconds, not after the 30-minute collective timeout):
 
 - rank 0 runs a watchdog thread polling its children; when one exits non-zero (an exception,
   `os._exit`, a signal such as SIGKILL) it prints which rank failed and how, ends the other

@@ -6,7 +6,8 @@
   ranks own uneven rows, some own none, and padding is exercised; plus a 0-dim parameter
   (`out_scale`). It lives here rather than in TinyGPT because a scalar that multiplies every
   logit has a gradient summed from thousands of cancelling terms, whose float round-off
-  depends on the reduction order and would need a looser tolerance than the design's.
+  depends on the reduction order and would need a looser tolerance than invariant 3 of
+  docs/architecture.md.
 - `ConvBNNet`: Conv2d + BatchNorm2d (running-stat buffers, which stay replicated).
 
 Every model takes `(batch, ...)` inputs and has a matching `make_batch(model, n, generator)`

@@ -4,7 +4,8 @@ compiled forward only runs when the `OptimizedModule` itself is called).
 
 `train_and_compare` runs inside every rank: the reference takes the whole global batch, the
 wrapped model this rank's rows; losses (averaged over ranks), every local gradient shard and,
-after each SGD step, every local parameter shard must match at the design's fp32 tolerances.
+after each SGD step, every local parameter shard must match at the fp32 tolerances of
+docs/architecture.md's invariant 3.
 """
 
 from __future__ import annotations

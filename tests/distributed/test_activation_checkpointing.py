@@ -133,7 +133,8 @@ def test_zero3_recomputation_gathers_each_block_again(group2) -> None:
     # Forward gathers every unit once; backward every block once more, whether its gather is
     # triggered by its recomputation (checkpointing) or by autograd unpacking its weights
     # (the root stays gathered from its forward into backward). The first block backward
-    # needs is issued as the root's forward ends (prefetch, hooks.py's note on the turn), so
+    # needs is issued as the root's forward ends (see [Note: the turn from forward to
+    # backward] in fullshard/engine/hooks.py), so
     # it is counted before `loss.backward()`: the step's total is the algorithm's.
     assert (z3["forward"], z3["backward"]) == (units + 1, units - 2)
     assert (z3_plain["forward"], z3_plain["backward"]) == (units + 1, units - 2)

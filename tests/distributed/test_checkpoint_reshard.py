@@ -15,7 +15,7 @@ from fullshard.testing import DistributedGroup
 from tests.distributed import ckpt_common as cc
 
 K = 3
-TOL = dict(rtol=1e-5, atol=1e-6)  # design §2.3: losses to fp32 round-off
+TOL = dict(rtol=1e-5, atol=1e-6)  # docs/architecture.md, invariant 3: losses to fp32 round-off
 
 
 @pytest.fixture(scope="module")

@@ -187,7 +187,8 @@ def test_exchanges_post_their_receives_before_their_sends(group, exchange):
     """Gloo moves a message only after the receiver's notice reached the sender, through the
     pair's one TCP connection, in posting order: a send posted first queues its data ahead of
     our notice, and the peer waits for our data to cross the link before it may send (see
-    pairwise.py's note on posting order). So every receive goes out first."""
+    [Note: receives are posted first] in fullshard/distributed/pairwise.py). So every receive
+    goes out first."""
     for orders in group.run(_posting_order, exchange):
         for kind, order in orders.items():
             if not order:  # a small sum on 2 ranks may be gloo's own all-reduce

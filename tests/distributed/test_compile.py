@@ -289,11 +289,11 @@ def test_compile_units_rejects_what_it_cannot_compile() -> None:
 
 def test_compiled_root_runs_only_the_units_graphs(aot_results: list[dict]) -> None:
     # A model compiled before sharding comes back with the root's own frame eager
-    # (compile_units.py, [Note: the root's frame runs eagerly]): compiled again, dynamo
-    # skipped the root's frame (its loop over the units) and compiled the plain frames it
-    # calls -- HF's mask and loss helpers, here RootWithHelpers' -- as graphs of their own,
-    # each costing more per step than the eager ops it replaced. So it runs exactly the
-    # graphs of `compile_units`, which leaves the root uncompiled.
+    # (see [Note: the root's frame runs eagerly] in fullshard/api/compile_units.py): compiled
+    # again, dynamo skipped the root's frame (its loop over the units) and compiled the plain
+    # frames it calls -- HF's mask and loss helpers, here RootWithHelpers' -- as graphs of
+    # their own, each costing more per step than the eager ops it replaced. So it runs exactly
+    # the graphs of `compile_units`, which leaves the root uncompiled.
     for rank in aot_results:
         units_only = rank["compile_units"]["graphs_per_step"]
         for how in ("before", "before_root_code", "before_fullgraph", "strategy"):

@@ -1,4 +1,6 @@
-"""Ranks that run different units fail fast, naming the units and ranks (design §2.7).
+"""Ranks that run different units fail fast, naming the units and ranks.
+
+docs/architecture.md, invariant 7.
 
 Each case wraps a small mixture of "experts" (one unit each, all the same shape, so a
 mismatched exchange can go through silently) and, after one good step, lets the ranks take

@@ -721,8 +721,9 @@ def _retained_after_forward(
     tracked = fullshard.memory_stats()["unsharded_param_bytes"]
     root = runtime.root
     root_gathered = sum(b.unsharded.nbytes for b in root.buckets if b.unsharded is not None)
-    # ZeRO-3's backward prefetch, issued once the root's forward is done (hooks.py, the
-    # note on the turn): the units in flight now, and what they gather.
+    # ZeRO-3's backward prefetch, issued once the root's forward is done (see [Note: the turn
+    # from forward to backward] in fullshard/engine/hooks.py): the units in flight now, and
+    # what they gather.
     ahead = [u for u in runtime.units[1:] if u.in_flight]
     ahead_bytes = sum(p.layout.padded_numel * F32 for u in ahead for p in u.params)
     loss.backward()
@@ -732,9 +733,9 @@ def _retained_after_forward(
 
 @pytest.mark.parametrize("bucketing", ["NONE", "BLOCK"])
 def test_zero3_keeps_no_unsharded_buffer_alive_for_backward(group2, bucketing):
-    """The "silent ZeRO-2" pitfall (design §3): if autograd kept the gathered parameters it
-    saved for backward, ZeRO-3 would hold every unit until backward with identical numbers.
-    A tensor stays alive while anything references it, so a weak reference to each gathered
+    """The "silent ZeRO-2" pitfall (docs/architecture.md, "Pitfalls"): if autograd kept the gathered
+    parameters it saved for backward, ZeRO-3 would hold every unit until backward with identical
+    numbers. A tensor stays alive while anything references it, so a weak reference to each gathered
     buffer tells, after forward, whether autograd (or the engine) still holds it."""
     n_params = 2 * 2 + 4 * 3 * 2  # root: LayerNorm + head; 4 blocks of 3 Linears
     n_buckets = {"NONE": n_params, "BLOCK": 5}[bucketing]

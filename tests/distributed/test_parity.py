@@ -1,4 +1,5 @@
-"""Reference parity of the engine (design §2.3) and its collective counts (§2.4).
+"""Reference parity of the engine (docs/architecture.md, invariant 3) and its collective counts
+(invariant 4).
 
 Every case trains a model with `fullshard.fsdp` on real gloo ranks for 20 steps beside the
 unwrapped model trained in one process on the whole global batch (`check_parity`), which
@@ -107,13 +108,13 @@ SGD_CASES = [
 ]
 
 # AdamW: losses and gradients checked every step; parameters only for OddMLP. Adam divides by
-# sqrt(v), so a parameter whose true gradient is ~0 moves by up to `lr` per step on round-off
-# alone (design §2.3). TinyGPT has one: the key part of `attn.qkv.bias` (softmax is shift
-# invariant, so its gradient is pure round-off; measured: 2.4e-3 apart after 2 steps), and so
-# has ConvBNNet: the conv bias before BatchNorm. No parameter tolerance that tight-checks the
-# rest would hold for those, and their effect on the loss is nil in exact arithmetic, so losses
-# and gradients still match tightly. OddMLP has no such parameter: its AdamW parameters stay
-# within ~3e-7 of the reference (measured), so the default tolerance applies to them.
+# sqrt(v), so a parameter whose true gradient is ~0 moves by up to `lr` per step on round-off alone
+# (docs/architecture.md, invariant 3). TinyGPT has one: the key part of `attn.qkv.bias` (softmax is
+# shift invariant, so its gradient is pure round-off; measured: 2.4e-3 apart after 2 steps), and so
+# has ConvBNNet: the conv bias before BatchNorm. No parameter tolerance that tight-checks the rest
+# would hold for those, and their effect on the loss is nil in exact arithmetic, so losses and
+# gradients still match tightly. OddMLP has no such parameter: its AdamW parameters stay within
+# ~3e-7 of the reference (measured), so the default tolerance applies to them.
 ADAMW_CASES = [
     *_product(2, ("TinyGPT",), buckets=("BLOCK",), optimizer="adamw"),
     *_product(2, ("OddMLP",), optimizer="adamw"),

@@ -1,4 +1,6 @@
-"""What real training loops do between and around steps, on real gloo ranks (design §2.7).
+"""What real training loops do between and around steps, on real gloo ranks.
+
+docs/architecture.md, invariant 7.
 
 Each flow runs the wrapped model beside the unwrapped reference in every rank and compares
 losses, every local shard of every gradient (None where the reference has None) and, after

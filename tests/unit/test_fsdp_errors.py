@@ -1,4 +1,6 @@
-"""`fullshard.fsdp()` rejects bad input with an error that names the problem (design §2.6).
+"""`fullshard.fsdp()` rejects bad input with an error that names the problem.
+
+docs/architecture.md, invariant 6.
 
 No rank processes: the checks that need `torch.distributed` initialized use a one-rank gloo
 group created in this process (an in-memory HashStore), torn down after each test, so the

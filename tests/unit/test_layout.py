@@ -1,4 +1,6 @@
-"""The dim-0 shard layout (design §2.1) and strategy-name parsing: pure functions, no processes.
+"""The dim-0 shard layout and strategy-name parsing: pure functions, no processes.
+
+The layout is docs/architecture.md's invariant 1.
 
 The layout must be exactly `torch.chunk` / DTensor `Shard(0)`: shard-rank `i` owns rows
 `[i*c, min((i+1)*c, d0))` with `c = ceil(d0 / S)`, held in a buffer of `c` rows padded with
