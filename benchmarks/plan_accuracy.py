@@ -9,7 +9,7 @@ thread per rank) trains each configuration -- the benchmark models A, B, S of `g
 demo's model, wrapped per block with BLOCK bucketing, AdamW, the cross-entropy loss outside the
 model -- for `--warmup` steps, then `--rounds` rounds of `--steps` steps. Before the first round
 and after each, the same ranks measure this machine as `--hardware local` does
-(`planner.measure.measure_ranks`, all ranks at once: matmul FLOP/s, copy bandwidth, per-kernel
+(`planner.hardware.measure_ranks`, all ranks at once: matmul FLOP/s, copy bandwidth, per-kernel
 cost, fused attention per score and GELU per element, AdamW's step, the exchange latency and
 bandwidth, the engine's per-unit cost; the ranks' worst figures). Each round is predicted on the
 mean of the measurements just before and just after it (`fullshard.planner.predict(...)`) and
@@ -46,8 +46,8 @@ STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
 def _model_factory(config: str):  # type: ignore[no-untyped-def]
     """(factory, seq, global batch, block class) of a config name."""
     if config == "demo":
+        from fullshard.demo.config import build_demo_model
         from fullshard.demo.train import DemoConfig
-        from fullshard.planner import build_demo_model
         from fullshard.testing.models import Block
 
         cfg = DemoConfig()
@@ -82,7 +82,7 @@ def time_run(configs: list[tuple[str, str]], steps: int, warmup: int, rounds: in
     `steps` steps, the machine measured between rounds (and before the first), so each
     round's steps have a measurement just before and just after them."""
     import fullshard
-    from fullshard.planner.measure import measure_ranks
+    from fullshard.planner.hardware import measure_ranks
 
     torch.set_num_threads(1)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -116,8 +116,8 @@ def predict_runs(world: int, ranks: list[dict]) -> list[dict]:
     """Each round's prediction on the hardware its ranks measured just before and just after
     it (the mean of the two, each the ranks' worst figures), against that round's median step
     of the slowest rank; a row is the median over its rounds of both."""
-    from fullshard.planner.measure import measure_local, worst_of
-    from fullshard.planner.predict import predict
+    from fullshard.planner.api import predict
+    from fullshard.planner.hardware import measure_local, worst_of
 
     rows = []
     for i, run in enumerate(ranks[0]["runs"]):
@@ -171,7 +171,7 @@ H100_96GB = {"base": "h100-sxm", "mem_bandwidth": 2.4e12, "memory": 96 * 2**30}
 def published() -> list[dict]:
     """The planner's predictions for the published runs (no processes)."""
     from fullshard.config import MixedPrecision
-    from fullshard.planner.predict import predict
+    from fullshard.planner.api import predict
 
     # torchtitan's default mixed precision: bf16 parameters, fp32 gradient reduction.
     mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -275,7 +275,7 @@ def render(record: dict) -> str:
         "Other jobs were running on the machine (the load average counts them); they slow "
         "the measured hardware and the measured steps alike.", "",
         "Predicted: `fullshard.planner.predict(...)` on the hardware measured by the same "
-        "ranks (`planner.measure.measure_ranks`, what `--hardware local` measures, all ranks "
+        "ranks (`planner.hardware.measure_ranks`, what `--hardware local` measures, all ranks "
         "at once) just before and just after each round of steps, the mean of the two. "
         "Measured: the round's median step (forward, loss, backward, AdamW) of the slowest "
         "rank. A row: the median over its rounds of each; error = predicted / measured - 1; "

@@ -31,21 +31,22 @@ round, sending `B * (n - 1) / n` (the reduce-scatter too: no all-reduce undernea
 
     all-gather / reduce-scatter   messages * alpha + B * (n - 1) / n / bw
 
-with `alpha` one exchange's fixed cost at this `n` (what `measure.py` times: a small
+with `alpha` one exchange's fixed cost at this `n` (what `hardware.py` measures: a small
 all-gather through the engine's own path) and `messages` per peer: 1 for an exchange within
 `comm.COALESCE_BYTES` per rank (packed), else one per piece above `SMALL_PIECE_BYTES`, one
 for the small pieces and one for the header (the engine checks every unit's first bucket).
-Small units travel together (hooks.py, the note on small units): units of `u` bytes per rank
-share one exchange `floor(SMALL_UNITS_BYTES / u)` at a time, so each pays that fraction of
-`alpha`.
+Small units travel together (see [Note: small units travel together] in engine/small_units.py):
+units of `u` bytes per rank share one exchange `floor(SMALL_UNITS_BYTES / u)` at a time, so each
+pays that fraction of `alpha`.
 
 The engine's own copies, on the compute side (memory-bound, at `mem_bandwidth`): a gather
 copies the rank's own shard into the unsharded buffer (read + write `L`); gloo's
 reduce-scatter sums the `n` received chunks of the rank's shard (reads `n * L`, writes `L`).
 
 Schedule: a replay of `engine/hooks.py` on two timelines, compute and one FIFO communication
-queue. Forward: the root's pre-hook issues its gather and prefetches the next `prefetch` units;
-each unit's pre-hook tops the window up and waits for its own gather. Backward (ZeRO-3): the
+queue (see [Note: the planner replays the engine's step] in planner/working_set.py). Forward:
+the root's pre-hook issues its gather and prefetches the next `prefetch` units; each unit's
+pre-hook tops the window up and waits for its own gather. Backward (ZeRO-3): the
 root stays gathered from its forward (the default `reshard_after_forward=None`; a root that
 reshards is gathered again first), each block is gathered again with the same prefetch window;
 a unit's reduce-scatter (and HYBRID all-reduce) is queued when its backward is done, and with
@@ -77,10 +78,9 @@ import torch
 from fullshard.distributed import comm
 from fullshard.distributed.pairwise import SMALL_PIECE_BYTES
 from fullshard.engine.small_units import small_units_bytes
-from fullshard.planner.estimate import PrecisionSpec, _size
 from fullshard.planner.hardware import Hardware
 from fullshard.planner.profile import ForwardProfile
-from fullshard.planner.structure import BucketSpec, ModelStructure
+from fullshard.planner.sizes import BucketShape, ModelStructure, PrecisionSpec, size_of
 
 OPTIMIZER_KERNELS_PER_TENSOR = 12
 """Kernels torch's single-tensor AdamW runs per parameter (step count, two moment updates,
@@ -150,7 +150,7 @@ def _exchange(nbytes: float, n: int, bw: float, alpha: float, messages: float) -
     return messages * alpha + nbytes * (n - 1) / n / bw
 
 
-def _messages(bucket: BucketSpec, shard: int, element_size: int) -> int:
+def _messages(bucket: BucketShape, shard: int, element_size: int) -> int:
     """Messages per peer of one pairwise exchange of `bucket` (comm._small, pairwise's pieces)."""
     pieces = [_piece_numel(s, shard) * element_size for s in bucket.shapes]
     if sum(pieces) <= comm.COALESCE_BYTES:
@@ -161,7 +161,7 @@ def _messages(bucket: BucketSpec, shard: int, element_size: int) -> int:
 
 def _piece_numel(shape: torch.Size, shard: int) -> int:
     """One parameter's padded shard: the piece pairwise.py sends it as."""
-    return BucketSpec((shape,), torch.float32, False).padded_shard_numel(shard)
+    return BucketShape((shape,), torch.float32, False).padded_shard_numel(shard)
 
 
 def unit_times(
@@ -205,7 +205,7 @@ def unit_times(
         fwd = work + prof.ops * hardware.op_overhead + fixed
         bwd = 2 * work + 2 * prof.ops * hardware.op_overhead + fixed
         # Small units share an exchange (module docstring): the fraction of alpha each pays.
-        per_rank = sum(b.padded_shard_numel(shard) * _size(precision.dtypes(b)[1])
+        per_rank = sum(b.padded_shard_numel(shard) * size_of(precision.dtypes(b)[1])
                        for b in unit.buckets)
         share = 1.0
         if together and 0 < per_rank <= together:
@@ -216,29 +216,29 @@ def unit_times(
             master, compute, red = precision.dtypes(b)
             flat = b.padded_shard_numel(shard)
             if cpu_offload:  # the shard comes from the host for each gather
-                gather += flat * _size(master) / hardware.host_bw
+                gather += flat * size_of(master) / hardware.host_bw
             if shard > 1:
-                nbytes = shard * flat * _size(compute)
-                gather_copy += 2 * flat * _size(compute) / mem
+                nbytes = shard * flat * size_of(compute)
+                gather_copy += 2 * flat * size_of(compute) / mem
                 if pairwise:
-                    msgs = share * _messages(b, shard, _size(compute))
+                    msgs = share * _messages(b, shard, size_of(compute))
                     gather += _exchange(nbytes, shard, shard_bw, shard_alpha, msgs)
                 else:
                     gather += _ring(nbytes, shard, shard_bw, shard_alpha)
             if not b.requires_grad:
                 continue
             if shard > 1:
-                nbytes = shard * flat * _size(red)
+                nbytes = shard * flat * size_of(red)
                 if pairwise:
-                    msgs = share * _messages(b, shard, _size(red))
+                    msgs = share * _messages(b, shard, size_of(red))
                     reduce += _exchange(nbytes, shard, shard_bw, shard_alpha, msgs)
-                    reduce_sum += (shard + 1) * flat * _size(red) / mem
+                    reduce_sum += (shard + 1) * flat * size_of(red) / mem
                 else:
                     reduce += _ring(nbytes, shard, shard_bw, shard_alpha)
             if replicate > 1:
-                reduce += _ring(flat * _size(red), replicate, rep_bw, rep_alpha, all_reduce=True)
+                reduce += _ring(flat * size_of(red), replicate, rep_bw, rep_alpha, all_reduce=True)
             if cpu_offload:
-                reduce += flat * _size(master) / hardware.host_bw
+                reduce += flat * size_of(master) / hardware.host_bw
         # ZeRO-3's second gather copies again in backward; not counted (one pass over L).
         fwd += gather_copy
         bwd += reduce_sum
@@ -265,7 +265,7 @@ def optimizer_seconds(structure: ModelStructure, shard: int, precision: Precisio
     for unit in structure.units:
         for b in unit.buckets:
             if b.requires_grad:
-                nbytes += b.padded_shard_numel(shard) * _size(precision.dtypes(b)[0])
+                nbytes += b.padded_shard_numel(shard) * size_of(precision.dtypes(b)[0])
     if hardware.optimizer_tensor_s or hardware.optimizer_byte_s:
         scale = OPTIMIZER_PASSES.get(states, 20) / OPTIMIZER_PASSES[2]  # measured on AdamW
         return (structure.trainable_tensors * hardware.optimizer_tensor_s

@@ -17,7 +17,20 @@ and `c` / `r` the compute / reduce dtype sizes:
                            gloo sends from the unsharded gradients themselves, held until the
                            reduction is done: numel * r, no padding
 
-The replay follows `engine/hooks.py` for one step, in the unit order root, blocks...:
+[Note: the planner replays the engine's step]
+This file is `Runtime`'s schedule (engine/hooks.py) for one step, written out again over byte
+sizes: the engine exposes no schedule to read, so a change to the order below in hooks.py must
+be made here too (and in `timing.simulate_step`, the same order over seconds). Replayed, in
+order: `Runtime.pre_forward` and `_gather_ahead` (the prefetch window), `post_forward` (the
+release after forward; the root is kept, see [Note: the root stays gathered] in
+engine/hooks.py), `_prefetch_backward_start` (see [Note: the turn from forward to backward] in
+engine/hooks.py), `post_backward` with `_queue_reductions` (the `max_pending_reductions`
+window) and the release, `_finalize_backward`. The gloo budgets are the engine's own
+(`small_units_bytes()`; see [Note: small units travel together] in engine/small_units.py).
+tests/distributed/test_plan_accuracy.py compares this replay with the engine's
+`memory_stats()["peak_unsharded_bytes"]` over real steps, so a schedule that moved shows there.
+
+In the unit order root, blocks...:
 
 forward   pre-hook of each unit: start its gather, prefetch the next `prefetch_limit` units
           (the order recorded on the previous step; none on the first step) -- on gloo more
@@ -52,8 +65,7 @@ import collections
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fullshard.planner.estimate import PrecisionSpec, _size
-from fullshard.planner.structure import ModelStructure
+from fullshard.planner.sizes import ModelStructure, PrecisionSpec, size_of
 
 BACKENDS = ("nccl", "gloo")
 
@@ -89,18 +101,18 @@ def unit_costs(
         for b in unit.buckets:
             master, compute, reduce = precision.dtypes(b)
             flat = b.padded_shard_numel(s)
-            cast = flat * _size(compute) if compute != master else 0
+            cast = flat * size_of(compute) if compute != master else 0
             if s == 1:
                 costs.append(BucketCost(cast, 0, 0, 0))
                 continue
-            gathered = s * flat * _size(compute)
+            gathered = s * flat * size_of(compute)
             copy_out = gathered if backend == "nccl" and len(b.shapes) > 1 else 0
             # NCCL packs the gradients (padding included); gloo holds them as they are.
             held = b.numel if backend == "gloo" else s * flat
-            reduce_bytes = held * _size(reduce) if b.requires_grad else 0
+            reduce_bytes = held * size_of(reduce) if b.requires_grad else 0
             costs.append(BucketCost(gathered, cast, copy_out, reduce_bytes,
-                                    exchanged=flat * _size(compute),
-                                    reduced=flat * _size(reduce) if b.requires_grad else 0))
+                                    exchanged=flat * size_of(compute),
+                                    reduced=flat * size_of(reduce) if b.requires_grad else 0))
         units.append(UnitCost(tuple(costs), unit.trainable))
     return units
 
@@ -113,7 +125,7 @@ def backward_scratch_bytes(structure: ModelStructure, precision: PrecisionSpec) 
         total = 0
         for b in unit.buckets:
             if b.requires_grad:
-                total += b.numel * _size(precision.dtypes(b)[1])
+                total += b.numel * size_of(precision.dtypes(b)[1])
         sizes.append(total)
     return sizes[0] + max(sizes[1:], default=0)
 
@@ -255,7 +267,8 @@ class _Replay:
         plan = backward if self.warm else list(reversed(forward))
         if self.zero3 and self.prefetch > 0:
             # hooks.Runtime._prefetch_backward_start: the root's post-hook starts the first
-            # units backward needs (the engine's note on the turn from forward to backward).
+            # units backward needs. See [Note: the turn from forward to backward] in
+            # engine/hooks.py.
             self.start_together([j for j in plan if self.state[j] == "sharded"][: self.prefetch])
         for i in backward:
             if self.zero3 and self.state[i] != "gathered":
@@ -283,9 +296,4 @@ class _Replay:
             return  # no gradients: stays gathered until the end of backward
         self.reduce(i)
         self.release(i)
-
-
-def gathered_bytes(units: Sequence[UnitCost]) -> list[int]:
-    """Each unit's gathered bytes (for descriptions and tests)."""
-    return [sum(b.gathered for b in u.buckets) for u in units]
 

@@ -26,13 +26,14 @@ import torch
 
 import fullshard
 from fullshard.config import FSDPBucketingStrategy, mixed_precision_for
-from fullshard.planner.estimate import (
+from fullshard.demo.config import build_demo_model
+from fullshard.planner.models import resolve_model
+from fullshard.planner.sizes import (
     model_state_bytes,
+    model_structure,
     resolve_optimizer,
     resolve_precision_spec,
 )
-from fullshard.planner.model_spec import build_demo_model, resolve_model
-from fullshard.planner.structure import model_structure
 from fullshard.testing import DistributedGroup
 
 CASES = [  # strategy, precision, layers[, activation checkpointing of every block]
@@ -173,7 +174,7 @@ def _time_configs(configs, steps: int = 3) -> dict:
     median step time (after one warm-up step)."""
     import time
 
-    from fullshard.planner.measure import measure_ranks
+    from fullshard.planner.hardware import measure_ranks
     from fullshard.testing.models import Block
 
     out = {"hardware": measure_ranks(), "steps": []}
@@ -200,8 +201,8 @@ def test_predicted_faster_is_measured_faster(group):
     """Issue 23's loose bound for `make test`: with `--hardware local` (measured on these
     ranks), of two configurations the planner predicts >= 1.3x apart, the one predicted
     faster is measured faster; and no prediction is off by more than 4x."""
-    from fullshard.planner.measure import measure_local, worst_of
-    from fullshard.planner.predict import predict
+    from fullshard.planner.api import predict
+    from fullshard.planner.hardware import measure_local, worst_of
 
     n = group.world_size
     if n != 2:

@@ -15,6 +15,7 @@ from torch import nn
 
 import fullshard
 from fullshard.cli import main
+from fullshard.demo.config import build_demo_model
 from fullshard.planner import parse_bytes
 from fullshard.planner.models import LlamaConfig
 
@@ -365,7 +366,7 @@ def test_cli_bad_inputs_exit_with_a_message(argv, message, capsys):
 
 # -- the search, the time model, hardware --------------------------------------------------------
 def test_checkpointing_keeps_only_block_inputs():
-    from fullshard.planner.model_spec import resolve_model
+    from fullshard.planner.models import resolve_model
     from fullshard.planner.profile import profile_forward
     from fullshard.planner.search import _checkpointed, activation_bytes_with
 
@@ -392,10 +393,10 @@ def test_checkpointing_keeps_only_block_inputs():
 
 def test_checkpoint_every_policy_picks_what_the_search_priced():
     from fullshard.engine.checkpointing import _checkpointed_modules
-    from fullshard.planner.recommendation import CheckpointEvery
+    from fullshard.planner.search import CheckpointEvery
     from fullshard.testing.models import Block
 
-    model = fullshard.planner.build_demo_model(layers=5)
+    model = build_demo_model(layers=5)
     numel = {id(p): p.numel() for p in model.parameters()}
     chosen = _checkpointed_modules(model, CheckpointEvery((Block,), 2), numel)
     assert chosen == [model.blocks[0], model.blocks[2], model.blocks[4]]
@@ -499,14 +500,13 @@ def test_time_model_drift_between_ranks():
 
 def _gloo_times(world: int, hardware, *, dim: int = 64):
     """unit_times of a 2-block model on `world` gloo ranks (FULL_SHARD), one sequence."""
-    from fullshard.planner.estimate import resolve_precision_spec
-    from fullshard.planner.model_spec import resolve_model
+    from fullshard.planner.models import resolve_model
     from fullshard.planner.profile import profile_forward
-    from fullshard.planner.structure import model_structure
+    from fullshard.planner.sizes import model_structure, resolve_precision_spec
     from fullshard.planner.timing import unit_times
     from fullshard.testing.models import Block
 
-    resolved = resolve_model(lambda: fullshard.planner.build_demo_model(layers=2, dim=dim),
+    resolved = resolve_model(lambda: build_demo_model(layers=2, dim=dim),
                              auto_wrap_policy={Block})
     structure = model_structure(resolved.module, resolved.policy,
                                 fullshard.config.FSDPBucketingStrategy.BLOCK)
@@ -541,8 +541,8 @@ def test_gloo_exchanges_are_one_round_and_the_reduce_scatter_sends_once():
 def test_measured_optimizer_and_engine_costs_are_priced():
     """`--hardware local` measures AdamW's step (per tensor, per byte) and the engine's cost
     per unit and per parameter; the time model charges exactly those."""
-    from fullshard.planner.estimate import resolve_precision_spec
     from fullshard.planner.hardware import Hardware
+    from fullshard.planner.sizes import resolve_precision_spec
     from fullshard.planner.timing import optimizer_seconds
 
     base = Hardware("t", 1e18, 1e18, 1.0, 1e18, 2**34, intra_bw=1e18, intra_latency=0.0,
@@ -578,7 +578,7 @@ def test_attention_scores_and_transcendental_elements_are_priced():
     matmul and copy rates on CPUs; `--hardware local` measures both (forward + backward) and
     the time model charges a third in forward, the rest in backward."""
     from fullshard.planner.hardware import Hardware
-    from fullshard.planner.model_spec import resolve_model
+    from fullshard.planner.models import resolve_model
     from fullshard.planner.profile import profile_forward
     from fullshard.testing.models import Block
 
@@ -587,7 +587,7 @@ def test_attention_scores_and_transcendental_elements_are_priced():
     _, free = _gloo_times(2, base)
     _, costly = _gloo_times(2, dataclasses.replace(base, attention_score_s=2e-8,
                                                    transcendental_s=3e-9))
-    small = resolve_model(lambda: fullshard.planner.build_demo_model(layers=2, dim=64),
+    small = resolve_model(lambda: build_demo_model(layers=2, dim=64),
                           auto_wrap_policy={Block})
     prof = profile_forward(small.module, small.policy, 1, 16)  # as _gloo_times
     # 4 heads, 16 tokens, causal: half the 4 x 16 x 16 scores; GELU over 16 x 256 elements;
@@ -661,7 +661,7 @@ def test_hardware_presets_files_and_errors(tmp_path):
 
 
 def test_recommendation_kwargs_build_fsdp_and_strategy(llama70b):
-    from fullshard.planner.recommendation import CheckpointEvery
+    from fullshard.planner.search import CheckpointEvery
 
     table = llama70b[0]
     kw = table.recommendation.fsdp_kwargs()
