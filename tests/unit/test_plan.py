@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import time
 
 import pytest
 import torch
@@ -25,21 +24,19 @@ TENSORS_7B = 32 * 9 + 3  # per block: 7 Linear weights + 2 RMSNorm weights; root
 
 @pytest.fixture(scope="module")
 def llama7b():
-    t0 = time.perf_counter()
-    table = fullshard.plan("llama-7b", world_sizes=(1, 2, 4, 8, 16))
-    return table, time.perf_counter() - t0
+    return fullshard.plan("llama-7b", world_sizes=(1, 2, 4, 8, 16))
 
 
 # -- model state ---------------------------------------------------------------------------------
-def test_llama_7b_plans_in_seconds(llama7b):
-    table, seconds = llama7b
-    assert seconds < 10, f"planning llama-7b took {seconds:.1f}s"
+def test_llama_7b_is_planned_from_its_shapes(llama7b):
+    # How long planning takes is benchmarks/plan_accuracy.py --planning-time's (issue 40).
+    table = llama7b
     assert table.num_params == PSI_7B == LlamaConfig().num_params
     assert table.units == "root + 32 x LlamaBlock"
 
 
 def test_full_shard_8_ranks_adamw_fp32_holds_16_psi_over_8(llama7b):
-    table, _ = llama7b
+    table = llama7b
     row = table.row(8, "FULL_SHARD")
     # Every dim of this config (4096, 11008, 32000) divides by 8: no padding. AdamW keeps
     # exp_avg and exp_avg_sq (fp32) and a 4-byte fp32 step tensor per parameter tensor.
@@ -79,7 +76,7 @@ def test_precision_and_optimizer_change_the_bytes():
 
 # -- communication and working set --------------------------------------------------------------
 def test_communication_follows_the_zero_formulas(llama7b):
-    table, _ = llama7b
+    table = llama7b
     n, words = 8, PSI_7B * 7 / 8
     # ZeRO-3 gathers the root (embed_tokens and lm_head, 32000 x 4096 each, and the final
     # norm) once: it stays gathered from its forward into backward.
@@ -97,7 +94,7 @@ def test_communication_follows_the_zero_formulas(llama7b):
 
 
 def test_strategies_order_memory_and_communication(llama7b):
-    table, _ = llama7b
+    table = llama7b
     for n in (2, 4, 8, 16):
         rows = [r for r in table.rows if r.world_size == n]
         assert [r.strategy for r in rows] == [
@@ -117,7 +114,7 @@ def test_strategies_order_memory_and_communication(llama7b):
 
 
 def test_working_set_zero3_holds_root_and_two_blocks(llama7b):
-    table, _ = llama7b
+    table = llama7b
     f32, d, f, v = 4, 4096, 11008, 32000
     block = (4 * d * d + 3 * d * f + 2 * d) * f32
     root = (2 * v * d + d) * f32
@@ -159,6 +156,28 @@ def test_budget_marks_fits_and_recommends_the_cheapest_that_fits():
     assert "nothing fits" in nothing.render()
 
 
+def test_under_the_table_a_world_size_the_search_makes_fit_is_not_called_nothing_fits():
+    """Issue 39: no plain row at N=2 fits 16 MiB, but the search below finds a configuration
+    there (checkpointing, offload): the line under the table says it fits only with that."""
+    table = fullshard.plan("demo", world_sizes=(2,), batch=16, seq=64, budget="16MiB",
+                           hardware="l40s", backend="gloo")
+    assert all(r.fits is False for r in table if r.applicable)
+    best = table.search.best_at(2)
+    assert best is not None and best.fits
+    text = table.render()
+    assert "nothing fits" not in text
+    assert (f"N=2: no row fits as is; it fits only with what the search adds: "
+            f"{best.config.describe()} (below).") in text.splitlines()
+    # Without a search, or where the search finds nothing either, it is still "nothing fits".
+    plain = fullshard.plan("demo", world_sizes=(2,), batch=16, seq=64, budget="16MiB",
+                           search=False)
+    assert "N=2: nothing fits." in plain.render().splitlines()
+    hopeless = fullshard.plan("demo", world_sizes=(2,), batch=16, seq=64, budget="1MiB",
+                              hardware="l40s", backend="gloo")
+    assert hopeless.search.best is None
+    assert "N=2: nothing fits." in hopeless.render().splitlines()
+
+
 def test_no_budget_means_fits_unknown():
     table = fullshard.plan("tiny", world_sizes=(2,))
     assert all(r.fits is None for r in table.rows)
@@ -166,7 +185,7 @@ def test_no_budget_means_fits_unknown():
 
 
 def test_to_dict_is_json_data(llama7b):
-    table, _ = llama7b
+    table = llama7b
     d = json.loads(json.dumps(table.to_dict()))
     assert d["num_params"] == PSI_7B and len(d["rows"]) == len(table.rows)
     first = d["rows"][0]
@@ -242,17 +261,13 @@ def test_factory_path_callable_and_module_instance():
 
 @pytest.fixture(scope="module")
 def llama70b():
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    table = fullshard.plan("llama-70b", world_sizes=(8, 16, 64), precision="bf16-mixed",
-                           batch=1, seq=4096, budget="80GiB")
-    return table, time.process_time() - cpu0, time.perf_counter() - t0
+    return fullshard.plan("llama-70b", world_sizes=(8, 16, 64), precision="bf16-mixed",
+                          batch=1, seq=4096, budget="80GiB")
 
 
-def test_llama_70b_plans_in_seconds(llama70b):
-    table, cpu, wall = llama70b
-    # Issue 23: under 10 s of this process's time (the wall clock also counts the load
-    # of a shared machine, hence the looser bound on it).
-    assert cpu < 10 and wall < 30
+def test_llama_70b_needs_checkpointing_at_80gib(llama70b):
+    # Issue 23's bound on planning time is benchmarks/plan_accuracy.py --planning-time's.
+    table = llama70b
     assert 68e9 < table.num_params < 70e9
     assert table.row(8, "NO_SHARD").fits is False
     # Without checkpointing nothing fits (activations alone are 146 GiB per rank) ...
@@ -663,7 +678,7 @@ def test_hardware_presets_files_and_errors(tmp_path):
 def test_recommendation_kwargs_build_fsdp_and_strategy(llama70b):
     from fullshard.planner.search import CheckpointEvery
 
-    table = llama70b[0]
+    table = llama70b
     kw = table.recommendation.fsdp_kwargs()
     assert kw["sharding_strategy"] == "FULL_SHARD" and kw["bucketing_strategy"] == "BLOCK"
     assert kw["mixed_precision"].param_dtype == torch.bfloat16
