@@ -109,7 +109,7 @@ def plan(
     search_rpn = ranks_per_node
     if ranks_per_node is None:
         ranks_per_node = getattr(hardware, "ranks_per_node", 8)
-    plans = _strategies(strategies)
+    sharding_by_name = _strategies(strategies)
     precision_spec = resolve_precision_spec(precision)
     optim = resolve_optimizer(optimizer)
     bucketing_strategy = resolve_bucketing_strategy(bucketing)
@@ -155,7 +155,7 @@ def plan(
     rows = []
     costs_by_shard: dict[int, list] = {}
     for n in sizes:
-        for name, sp in plans:
+        for name, sp in sharding_by_name:
             mesh = _mesh(sp, n, ranks_per_node)
             if mesh is None:
                 note = (f"needs a world size that is a multiple of {ranks_per_node} "

@@ -81,7 +81,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import queue
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -264,11 +266,10 @@ def _world():  # type: ignore[no-untyped-def]
 
 def _median_of(fn, repeats: int = 7, inner: int | None = None,  # type: ignore[no-untyped-def]
                together: bool = True) -> float:
-    """Seconds per call of `fn`: the median of `repeats` samples of `inner` calls (default:
-    as many as take about `WINDOW` seconds), each started on all ranks together. The median,
-    not the best: on a shared machine the steps being predicted see the same load as this
-    measurement. A collective must pass `inner` (every rank must make the same calls).
-    `together`: start each sample on all ranks (all must call); False in one process."""
+    """Seconds per call of `fn`: the median (the steps being predicted see the same load) of
+    `repeats` samples of `inner` calls (default: about `WINDOW` seconds' worth; a collective
+    must pass it, every rank making the same calls), each started on all ranks together
+    unless `together` is False (one process)."""
     fn()
     if inner is None:
         t0 = time.perf_counter()
@@ -286,9 +287,8 @@ def _median_of(fn, repeats: int = 7, inner: int | None = None,  # type: ignore[n
 
 
 def measure_compute(*, together: bool = False) -> dict[str, float]:
-    """Matmul FLOP/s, copy bandwidth, per-op overhead and AdamW's costs of this process (one
-    thread). `together`: called on every rank of the process group, each sample started on
-    all at once (`measure_ranks`); else this process alone."""
+    """The compute figures of this process (one thread; module docstring). `together`: on
+    every rank of the process group, each sample started on all at once (`measure_ranks`)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -309,9 +309,8 @@ def measure_compute(*, together: bool = False) -> dict[str, float]:
 
 
 def _op_seconds(together: bool) -> float:
-    """Seconds per kernel of a transformer block too small for its work to count (width 16,
-    4 tokens), forward and backward, over the kernels `profile.py` counts in its forward
-    (backward: twice as many). The block is the tests' and the demo's, named as a factory:
+    """Seconds per kernel of a block too small for its work to count, forward and backward
+    (twice the forward's kernels). The block is the tests' and the demo's, named as a factory:
     the planner does not import the packages above it."""
     torch.manual_seed(0)
     block = load_factory("fullshard.testing.models:Block")(16, 2)
@@ -329,10 +328,8 @@ def _op_seconds(together: bool) -> float:
 
 def _residual_seconds(together: bool, flops: float, bandwidth: float, op: float
                       ) -> tuple[float, float]:
-    """(seconds per attention score, per transcendental element): a causal fused attention's
-    and a GELU's forward and backward, each less what `timing.py` charges it without these
-    two figures (its profile's FLOPs at `flops`, bytes at `bandwidth`, kernels at `op`, the
-    backward twice the forward), per score / element of its profile."""
+    """(seconds per attention score, per transcendental element): each case less what
+    `timing.py` charges it without these two figures, per score / element of its profile."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(4, 4, 128, 64, requires_grad=True) for _ in range(3))
     x = torch.randn(512, 512, requires_grad=True)
@@ -476,8 +473,8 @@ def _engine_seconds(linears: int, strategy: str) -> float:
     x = torch.randn(2, 8)
     plain = blocks()
     wrapped = blocks()
-    plan = resolve_sharding_strategy(strategy).with_reshard_after_forward(None)
-    shard_module(wrapped, mesh=build_mesh(plan), plan=plan, device=torch.device("cpu"),
+    sharding = resolve_sharding_strategy(strategy).with_reshard_after_forward(None)
+    shard_module(wrapped, mesh=build_mesh(sharding), plan=sharding, device=torch.device("cpu"),
                  bucketing=FSDPBucketingStrategy.BLOCK, auto_wrap_policy={nn.Sequential},
                  broadcast_from=None, mixed_precision=None, offload=False,
                  activation_checkpointing_policy=None, prefetch_limit=1,
@@ -563,9 +560,9 @@ def _on_two_ranks(fn: Callable[[], dict], *, timeout: float) -> list[dict]:
         p.start()
     try:
         got = dict(results.get(timeout=timeout) for _ in ranks)
-    except Exception as e:  # queue.Empty: a rank hung
+    except queue.Empty:
         raise RuntimeError(f"--hardware local: the measuring ranks gave no result within "
-                           f"{timeout:.0f} s ({type(e).__name__})") from None
+                           f"{timeout:.0f} s") from None
     finally:
         for p in ranks:
             p.join(timeout=10)
@@ -580,7 +577,8 @@ def _on_two_ranks(fn: Callable[[], dict], *, timeout: float) -> list[dict]:
 def _rank_main(rank: int, port: int, fn: Callable[[], dict], results) -> None:  # type: ignore[no-untyped-def]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # all ranks are local
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # all ranks are local
     torch.set_num_threads(1)
     try:
         torch.distributed.init_process_group("gloo", rank=rank, world_size=2,

@@ -264,15 +264,16 @@ class _Replay:
                 self._post_forward(i)
         self._post_forward(0)
         backward = [0, *reversed(forward[1:])]  # the order gathers happen in backward
-        plan = backward if self.warm else list(reversed(forward))
+        recorded = backward if self.warm else list(reversed(forward))  # the prefetch order
         if self.zero3 and self.prefetch > 0:
             # hooks.Runtime._prefetch_backward_start: the root's post-hook starts the first
             # units backward needs. See [Note: the turn from forward to backward] in
             # engine/hooks.py.
-            self.start_together([j for j in plan if self.state[j] == "sharded"][: self.prefetch])
+            first = [j for j in recorded if self.state[j] == "sharded"]
+            self.start_together(first[: self.prefetch])
         for i in backward:
             if self.zero3 and self.state[i] != "gathered":
-                self.gather_ahead(i, plan, self.prefetch)
+                self.gather_ahead(i, recorded, self.prefetch)
                 self.wait(i)
             if i != 0:
                 self._post_backward(i)
