@@ -149,7 +149,7 @@ class ForwardProfile:
     batch: int
     seq: int
     units: tuple[UnitProfile, ...]
-    """Root first, then the units in module order (as `structure.ModelStructure`)."""
+    """Root first, then the units in module order (as `sizes.ModelStructure`)."""
 
     @property
     def saved_bytes(self) -> int:
