@@ -278,9 +278,10 @@ def profile_forward(
         else:
             inputs = torch.zeros(batch, seq, dtype=torch.long)
     counter = WorkCounter(current, len(units))
+    flash = _FlashAttentionMode() if attention == "flash" else contextlib.nullcontext()
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), meta_autocast():
-            with _FlashAttentionMode() if attention == "flash" else _Null(), counter:
+            with flash, counter:
                 out = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
                 _count_loss(out, batch, seq)
     except Exception as e:
@@ -321,14 +322,6 @@ def _count_loss(out: object, batch: int, seq: int) -> None:
     targets = torch.zeros(batch * seq, dtype=torch.long, device=logits.device)
     with torch.no_grad():
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets)
-
-
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def activation_bytes(

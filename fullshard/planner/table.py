@@ -21,10 +21,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass, field
 
-from fullshard.planner.search import Evaluated, SearchResult, variants
+from fullshard.planner.search import STRATEGIES, Evaluated, SearchResult, variants
 from fullshard.planner.sizes import format_bytes, format_count
 
-STRATEGY_ORDER = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+STRATEGY_ORDER = STRATEGIES
+"""The order of the table's rows (and of ties between equal rows)."""
 
 
 @dataclass(frozen=True)
