@@ -10,19 +10,21 @@ its predicted step time on a given hardware.
 
 Files, each importing only those before it (and the engine below them): `models.py` (what
 model, which units; the Llama configs), `sizes.py` (units and buckets as the engine builds
-them, persistent bytes, communication, byte strings), `working_set.py` (transient bytes: the
-engine's step replayed), `profile.py` (the meta forward: activations, per-unit inputs and
-work), `hardware.py` (presets, files, `--hardware local`), `timing.py` (step time),
-`search.py` (the search and its configurations as `fsdp()` keyword arguments), `table.py`
-(the result and its text), `api.py` (`plan()`, `predict()`, the CLI subcommand).
+them, persistent bytes, communication, byte strings), `profile.py` (the meta forward:
+activations, per-unit inputs and work), `timing.py` (`Hardware` and what each unit costs on
+it), `schedule.py` (the engine's step replayed: the working set and the step time),
+`hardware.py` (presets, files, `--hardware local`), `search.py` (the search and its
+configurations as `fsdp()` keyword arguments), `table.py` (the result and its text), `api.py`
+(`plan()`, `predict()`, the CLI subcommand).
 """
 
 from fullshard.planner.api import plan, predict
-from fullshard.planner.hardware import PRESETS, Hardware
+from fullshard.planner.hardware import PRESETS
 from fullshard.planner.models import BUILTIN_CONFIGS
 from fullshard.planner.search import CheckpointEvery, Evaluated, SearchResult, SearchSpace
 from fullshard.planner.sizes import format_bytes, parse_bytes
 from fullshard.planner.table import PlanRow, PlanTable
+from fullshard.planner.timing import Hardware
 
 __all__ = [
     "BUILTIN_CONFIGS",

@@ -3,7 +3,7 @@ step time of one configuration. `fullshard plan`: the CLI subcommand around `pla
 
 `plan()` resolves the model (built on the meta device), reads off the units and buckets the
 engine would build, and for every (world size, strategy) computes the per-rank bytes and the
-communication per step (`sizes.py`, `working_set.py`), an activation estimate when a batch shape
+communication per step (`sizes.py`, `schedule.py`), an activation estimate when a batch shape
 is given (`profile.py`), and which configurations fit a budget; with a budget it also searches
 (`search.py`). The result is a `PlanTable` (`table.py`): data, `.to_dict()`, `.recommend()`, and
 `str()` as a table.
@@ -29,6 +29,7 @@ from fullshard.engine.wrap import select_units
 from fullshard.planner.hardware import resolve_hardware
 from fullshard.planner.models import resolve_model
 from fullshard.planner.profile import ForwardProfile, activation_bytes, profile_forward
+from fullshard.planner.schedule import backward_scratch_bytes, unit_costs, working_set_bytes
 from fullshard.planner.search import Evaluated, SearchSpace, precision_specs
 from fullshard.planner.search import search as run_search
 from fullshard.planner.sizes import (
@@ -41,7 +42,6 @@ from fullshard.planner.sizes import (
     resolve_precision_spec,
 )
 from fullshard.planner.table import STRATEGY_ORDER, PlanRow, PlanTable
-from fullshard.planner.working_set import backward_scratch_bytes, unit_costs, working_set_bytes
 
 _CANONICAL = {"ZERO3": "FULL_SHARD", "ZERO2": "SHARD_GRAD_OP"}
 

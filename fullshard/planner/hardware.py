@@ -1,79 +1,59 @@
-"""What the time model knows about the machines: a `Hardware` description, presets from vendors'
-data sheets, `--hardware FILE` (JSON with the same fields), and `--hardware local`: this
-machine, measured now (some 10-30 s on a loaded 2-core machine).
-
-Fields (SI units: FLOP/s, bytes/s, seconds, bytes); [local: how `--hardware local` measures it]:
-
-    peak_flops        dense matmul peak in the training dtype (bf16/fp16 tensor cores on GPUs;
-                      `peak_flops_fp32` for fp32 models) [a (256 x 1024) @ (1024 x 1024) fp32
-                      matmul, also used for 16-bit: CPUs have no faster 16-bit path to count on]
-    matmul_efficiency the fraction of that peak large matmuls reach (stated, not fitted) [1]
-    mem_bandwidth     device memory bandwidth; every non-matmul op is priced as memory-bound
-                      [copying a 32 MiB tensor, read + write]
-    mem_efficiency    the fraction of it elementwise kernels reach [1]
-    op_overhead       fixed seconds per kernel (launch / dispatch; on GPUs mostly hidden by
-                      asynchronous launches, on CPUs the eager dispatcher's cost) [a tiny
-                      transformer block (width 16, 4 tokens) forward and backward, over the
-                      kernels the profile counts (x 3)]
-    attention_score_s seconds per attention score (profile.py) of a fused attention kernel,
-                      forward and backward together, beyond its FLOPs at the matmul rate: the
-                      softmax's exp, max and scaling per score and the kernel's blocking (0 in
-                      the presets, where the FLOPs dominate) [a causal fused attention (batch
-                      4, 4 heads, 128 tokens, head dim 64) less what the rest of the model
-                      prices it at (FLOPs, bytes, kernels), per score]
-    transcendental_s  seconds per element of a transcendental elementwise op (GELU, softmax,
-                      ...; profile.py), forward and backward together, beyond its bytes at
-                      mem_bandwidth (0 in the presets) [the same for GELU on 512 x 512]
-    unit_overhead, param_overhead  fixed seconds per unit and per parameter of a unit per pass
-                      for the engine's hooks and bookkeeping (views installed and removed,
-                      gradients handed out; param_overhead 0 in the presets) [SHARD_GRAD_OP
-                      models of 16 tiny units of 1 and of 6 Linear(8, 8) against the same
-                      models unwrapped, per unit and pass (the difference per parameter), less
-                      the exchanges' latency the time model charges those units separately]
-    regather_overhead, regather_param_overhead  the same for ZeRO-3's second gather of a unit
-                      in backward: the engine's work beyond ZeRO-2's (0 in the presets) [what
-                      FULL_SHARD adds to the above]
-    memory            device memory (the default budget) [the host's]
-    intra_bw, intra_latency  per-GPU bandwidth (one direction) and per-step latency of the
-                      links inside a node (NVLink, PCIe, or loopback; on gloo the latency is
-                      one pairwise exchange's fixed cost, see `timing.py`) [latency: one small
-                      all-gather through the engine's path (one packed message per peer, all
-                      peers at once); bandwidth: an all-gather of 4 MiB per rank, less that]
-    inter_bw, inter_latency  the same between nodes (InfiniBand / RoCE / Ethernet, per GPU)
-    ranks_per_node    GPUs per node (HYBRID's default shard size; rings wider than this cross
-                      the network) [64: all ranks share one node]
-    backend           the collective backend these links are driven by ('nccl', 'gloo')
-    host_bw           host <-> device copies (CPU offload: PCIe), host_mem_bandwidth the host
-                      memory the offloaded optimizer step streams through
-    optimizer_tensor_s, optimizer_byte_s  a measured optimizer step: seconds per parameter
-                      tensor and per byte of shard; 0 (the presets): priced from mem_bandwidth
-                      and op_overhead instead [torch's AdamW step on 64 tensors of 16 elements
-                      (per tensor) and on one of 4 Mi elements, 16 MiB, beyond the caches]
-    overlap           fraction of communication that can run while compute runs (1.0 on GPUs,
-                      where collectives have their own streams and copy engines; lower on CPUs,
-                      where gloo's threads share the cores with compute) [1 - what 4 async
-                      all-gathers of 512 KiB per rank cost matmuls running beside them for
-                      ~1.2x their time, per second of the exchanges; ~0 on a 2-core machine]
-    drift_per_s, drift_max  how far ranks that share cores drift apart while they compute:
-                      an exchange starts `min(drift_max, drift_per_s * c)` after it was
-                      issued, `c` the compute since the ranks last waited together (the first
-                      to arrive waits for the last; timing.py); 0 in the presets (a rank per
-                      GPU does not drift) [a small all-gather reached from 1 and from 4 of the
-                      matmuls above, less them and the latency: the first per second of its
-                      matmuls is the rate, the larger the cap (3 ranks on 2 cores: ~0.35 and
-                      ~11 ms; 2 ranks: ~0.3 and ~3 ms)]
+"""`--hardware`: a preset from vendors' data sheets, a JSON file of `Hardware` fields
+(`timing.py`; `{"base": "h100-sxm", ...}` changes a preset), or `local`: this machine,
+measured now (some 10-30 s on a loaded 2-core machine).
 
 Presets (data sheets: NVIDIA H100 SXM5, H200 SXM, A100 80GB SXM4, L40S; NVLink 4 = 900 GB/s
 both directions per GPU, NVLink 3 = 600 GB/s; ConnectX-7 NDR = 400 Gb/s per GPU, HDR = 200
 Gb/s). Latencies are NCCL's per-ring-step order of magnitude, not data-sheet numbers.
 
-`--hardware local` measures on the ranks that will train (as the benchmark and the tests do:
-`measure_ranks`), or on two gloo ranks spawned for it (`measure_local()` alone), every rank at
-once -- a barrier starts each sample on all ranks together, so N ranks on fewer cores measure
-the oversubscribed machine they will train on -- with one torch thread per rank. Each figure
-is the median of several samples of about `WINDOW` seconds each (a burst catches one moment's
-load; a step lasts hundreds of milliseconds); the ranks' worst figures are kept (the step waits
-for the slowest rank).
+`local` is measured on the ranks that will train (as the benchmark and the tests do), or on two
+ranks spawned for it (`measure_local()` alone), every rank at once -- a barrier starts each
+sample on all ranks together, so N ranks on fewer cores measure the oversubscribed machine
+they will train on -- with one torch thread per rank. Each figure is the median of several
+samples of about `WINDOW` seconds each (not one short burst: on a shared machine a burst
+catches one moment's load, a step lasts hundreds of milliseconds); the ranks' worst figures are
+kept (the step waits for the slowest rank):
+
+    peak_flops      FLOP/s of a (256 x 1024) @ (1024 x 1024) fp32 matmul (also used for 16-bit:
+                    CPUs have no faster 16-bit path to count on); matmul_efficiency = 1
+    mem_bandwidth   bytes/s of copying a 32 MiB tensor (read + write); mem_efficiency = 1
+    op_overhead     seconds per kernel of a tiny transformer block (width 16, 4 tokens) run
+                    forward and backward, over the kernels the profile counts (x 3)
+    attention_score_s  seconds per score of a causal fused attention (batch 4, 4 heads, 128
+                    tokens, head dim 64) forward and backward, less what the rest of the model
+                    prices it at (its FLOPs at peak_flops, bytes, kernels), per score
+    transcendental_s   the same per element of GELU forward and backward (512 x 512)
+    optimizer_tensor_s, optimizer_byte_s   torch's AdamW step itself: on 64 tensors of 16
+                    elements (per tensor) and on one tensor of 4 Mi elements, 16 MiB, beyond
+                    the caches as a model's shards are (per byte)
+
+and between the ranks (the engine's own collectives, gloo loopback):
+
+    intra_latency   one small all-gather through the engine's path (one packed message per
+                    peer, all peers at once): the fixed cost of one exchange at this N
+    intra_bw        bytes/s of an all-gather of 4 MiB per rank (each rank sends its piece to
+                    each peer), less that latency
+    unit_overhead, param_overhead   the engine's fixed cost per unit and per parameter and
+                    pass: SHARD_GRAD_OP models of 16 tiny units of 1 and of 6 Linear(8, 8)
+                    against the same models unwrapped, per unit and pass (the difference per
+                    parameter), less the exchanges' latency the time model charges those
+                    units separately
+    regather_overhead, regather_param_overhead   the same for what FULL_SHARD adds to that
+                    (ZeRO-3's second gather in backward), per unit and per parameter
+
+    drift_per_s, drift_max   how far the ranks drift apart while they compute (schedule.py):
+                    a small all-gather reached from 1 and from 4 matmuls of the size above,
+                    less those matmuls alone and less the latency; the first, per second of
+                    its matmuls, is the rate, the larger of the two the cap (3 ranks on this
+                    2-core machine: ~0.35 and ~11 ms; 2 ranks: ~0.3 and ~3 ms)
+    overlap         1 - what an exchange costs the compute running beside it, per second of
+                    the exchange: 4 all-gathers of 512 KiB per rank issued asynchronously, then
+                    matmuls for ~1.2x their time, then the waits, against each alone. gloo's
+                    threads (and the kernel's loopback copies) run on the cores the ranks
+                    compute on; on this 2-core machine the compute beside an exchange slows by
+                    about the exchange's whole time (overlap ~0, clipped to [0, 1])
+
+All ranks share one node (`ranks_per_node` = 64).
 """
 
 from __future__ import annotations
@@ -87,7 +67,6 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -103,75 +82,10 @@ from fullshard.engine.sharding import shard_module
 from fullshard.engine.small_units import small_units_bytes
 from fullshard.planner.models import load_factory
 from fullshard.planner.profile import WorkCounter
+from fullshard.planner.timing import Hardware
 
 _G = 1e9
 _T = 1e12
-
-
-@dataclass(frozen=True)
-class Hardware:
-    name: str
-    peak_flops: float
-    peak_flops_fp32: float
-    matmul_efficiency: float
-    mem_bandwidth: float
-    memory: int
-    intra_bw: float
-    intra_latency: float
-    inter_bw: float
-    inter_latency: float
-    ranks_per_node: int = 8
-    mem_efficiency: float = 0.7
-    op_overhead: float = 0.0
-    attention_score_s: float = 0.0
-    transcendental_s: float = 0.0
-    unit_overhead: float = 0.0
-    param_overhead: float = 0.0
-    regather_overhead: float = 0.0
-    regather_param_overhead: float = 0.0
-    overlap: float = 1.0
-    drift_per_s: float = 0.0
-    drift_max: float = 0.0
-    backend: str = "nccl"
-    host_bw: float = 25e9
-    host_mem_bandwidth: float = 100e9
-    optimizer_tensor_s: float = 0.0
-    optimizer_byte_s: float = 0.0
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, float | int) and not isinstance(v, bool) and v < 0:
-                raise ValueError(f"Hardware field {f.name} must be >= 0, got {v!r}")
-        if self.ranks_per_node < 1:
-            raise ValueError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
-        if not 0.0 <= self.overlap <= 1.0:
-            raise ValueError(f"overlap must be in [0, 1], got {self.overlap}")
-
-    def flops_rate(self, dtype: torch.dtype) -> float:
-        """Achievable matmul FLOP/s for a compute dtype."""
-        peak = self.peak_flops_fp32 if dtype == torch.float32 else self.peak_flops
-        return peak * self.matmul_efficiency
-
-    def link(self, ranks: int, spans_nodes: bool, *, one_per_node: bool = False
-             ) -> tuple[float, float]:
-        """(bandwidth per rank, latency per step) of a ring over `ranks`.
-
-        Inside a node: NVLink. A ring over whole nodes (FULL_SHARD over 64 ranks) runs as
-        `ranks_per_node` rings at once, one per NIC (NCCL's multi-ring layout): each chunk
-        enters a node once, through one of its NICs, and travels inside over NVLink, so a
-        rank's effective bandwidth is `ranks_per_node * inter_bw`, capped by NVLink. A ring
-        of one rank per node (HYBRID's replicate axis) has only its own NIC: `inter_bw`.
-        """
-        if not spans_nodes:
-            return self.intra_bw, self.intra_latency
-        if one_per_node:
-            return self.inter_bw, self.inter_latency
-        return min(self.intra_bw, self.ranks_per_node * self.inter_bw), self.inter_latency
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 PRESETS: dict[str, Hardware] = {

@@ -9,7 +9,7 @@ micro-batch, with gradient accumulation (reducing every micro-batch, or once und
 making up the per-rank batch (`global_batch / world_size`, or `batch` when no global batch is
 given).
 
-Memory per rank (`Memory`): the exact state of `sizes.py` and working set of `working_set.py`;
+Memory per rank (`Memory`): the exact state of `sizes.py` and working set of `schedule.py`;
 autograd's backward scratch; activations from the per-unit meta forward (`profile.py`), scaled
 to the micro-batch: a checkpointed block keeps only its input, and the block being recomputed
 holds its full activations once more in backward. With CPU offload the state is on the host.
@@ -35,8 +35,14 @@ from torch import nn
 
 from fullshard.config import mixed_precision_for, resolve_precision, resolve_sharding_strategy
 from fullshard.engine.small_units import small_units_bytes
-from fullshard.planner.hardware import Hardware
 from fullshard.planner.profile import ForwardProfile
+from fullshard.planner.schedule import (
+    StepTime,
+    backward_scratch_bytes,
+    simulate_step,
+    unit_costs,
+    working_set_bytes,
+)
 from fullshard.planner.sizes import (
     ModelStructure,
     OptimizerSpec,
@@ -45,8 +51,7 @@ from fullshard.planner.sizes import (
     resolve_precision_spec,
     size_of,
 )
-from fullshard.planner.timing import StepTime, optimizer_seconds, simulate_step, unit_times
-from fullshard.planner.working_set import backward_scratch_bytes, unit_costs, working_set_bytes
+from fullshard.planner.timing import Hardware, optimizer_seconds, unit_times
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 ROOT_GATHERED_ONCE = True

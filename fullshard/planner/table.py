@@ -5,7 +5,7 @@ lose, and for the recommendation the exposed communication and what would hide i
 One row per (world size, strategy). All byte figures are per rank:
 
     param_bytes, grad_bytes, optimizer_bytes   persistent model state (exact, see sizes.py)
-    working_set_bytes                           transient unsharded buffers (working_set.py)
+    working_set_bytes                           transient unsharded buffers (schedule.py)
     backward_scratch_bytes                      autograd's unsharded gradients in backward
     activation_bytes                            saved activations (None: no batch shape given)
     total_bytes                                 the sum of all of the above

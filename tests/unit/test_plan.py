@@ -447,7 +447,8 @@ def test_search_accumulates_to_the_global_batch_and_ranks_by_time():
 
 
 def test_time_model_schedule():
-    from fullshard.planner.timing import UnitTimes, simulate_step
+    from fullshard.planner.schedule import simulate_step
+    from fullshard.planner.timing import UnitTimes
 
     # A root and 4 blocks; a gather takes 3, a block's forward 2 / backward 4.
     times = [UnitTimes(1.0, 2.0, 0.0, 3.0, 1.0)] + [UnitTimes(2.0, 4.0, 0.0, 3.0, 3.0)] * 4
@@ -476,7 +477,8 @@ def test_time_model_drift_between_ranks():
     """Ranks that share cores drift apart while they compute: an exchange starts when the last
     of them reaches it. Small units wait for that; a large unit's compute or a busy queue hides
     it; a drift of 0 changes nothing."""
-    from fullshard.planner.timing import UnitTimes, simulate_step
+    from fullshard.planner.schedule import simulate_step
+    from fullshard.planner.timing import UnitTimes
 
     drift = (0.5, 2.0)  # half a second per second of compute, at most 2
 
@@ -534,7 +536,7 @@ def test_gloo_exchanges_are_one_round_and_the_reduce_scatter_sends_once():
     """Gloo's all-gather and reduce-scatter are pairwise exchanges (distributed/pairwise.py):
     one round to all peers, the reduce-scatter sending B (N-1)/N like the all-gather -- not a
     ring's N-1 latencies nor gloo's own reduce-scatter (an all-reduce, twice the bytes)."""
-    from fullshard.planner.hardware import Hardware
+    from fullshard.planner.timing import Hardware
 
     slow_link = Hardware("t", 1e12, 1e12, 1.0, 1e12, 2**34, intra_bw=1e6, intra_latency=0.0,
                          inter_bw=1e6, inter_latency=0.0, ranks_per_node=64, backend="gloo")
@@ -556,9 +558,8 @@ def test_gloo_exchanges_are_one_round_and_the_reduce_scatter_sends_once():
 def test_measured_optimizer_and_engine_costs_are_priced():
     """`--hardware local` measures AdamW's step (per tensor, per byte) and the engine's cost
     per unit and per parameter; the time model charges exactly those."""
-    from fullshard.planner.hardware import Hardware
     from fullshard.planner.sizes import resolve_precision_spec
-    from fullshard.planner.timing import optimizer_seconds
+    from fullshard.planner.timing import Hardware, optimizer_seconds
 
     base = Hardware("t", 1e18, 1e18, 1.0, 1e18, 2**34, intra_bw=1e18, intra_latency=0.0,
                     inter_bw=1e18, inter_latency=0.0, ranks_per_node=64, backend="gloo")
@@ -576,7 +577,7 @@ def test_measured_optimizer_and_engine_costs_are_priced():
         assert b.forward - a.forward == pytest.approx(1e-3 + params * 1e-4)
         assert b.backward - a.backward == pytest.approx(1e-3 + params * 1e-4)
     # ZeRO-3's second gather in backward costs the engine more work; ZeRO-2 does not pay it.
-    from fullshard.planner.timing import simulate_step
+    from fullshard.planner.schedule import simulate_step
 
     regather = dataclasses.replace(base, regather_overhead=2e-3, regather_param_overhead=1e-4)
     _, again = _gloo_times(2, regather)
@@ -592,9 +593,9 @@ def test_attention_scores_and_transcendental_elements_are_priced():
     """Fused attention's softmax per score and GELU / softmax per element run far below the
     matmul and copy rates on CPUs; `--hardware local` measures both (forward + backward) and
     the time model charges a third in forward, the rest in backward."""
-    from fullshard.planner.hardware import Hardware
     from fullshard.planner.models import resolve_model
     from fullshard.planner.profile import profile_forward
+    from fullshard.planner.timing import Hardware
     from fullshard.testing.models import Block
 
     base = Hardware("t", 1e18, 1e18, 1.0, 1e18, 2**34, intra_bw=1e18, intra_latency=0.0,
@@ -646,7 +647,8 @@ def test_the_loss_over_the_logits_is_priced_as_the_roots_work():
 
 
 def test_hardware_presets_files_and_errors(tmp_path):
-    from fullshard.planner.hardware import PRESETS, Hardware, resolve_hardware
+    from fullshard.planner.hardware import PRESETS, resolve_hardware
+    from fullshard.planner.timing import Hardware
 
     h100 = resolve_hardware("H100-SXM")
     assert h100.peak_flops == 989e12 and h100.intra_bw == 450e9 and h100.inter_bw == 50e9

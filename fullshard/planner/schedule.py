@@ -1,34 +1,19 @@
-"""The transient unsharded working set: a replay of the engine's step schedule over buffer sizes.
-
-What is counted is exactly what the engine counts in `memory_stats()` (`engine/memory.py`):
-every buffer `engine/bucket.py` allocates beyond the shards and the `.grad` storage, from its
-allocation until it is freed. Per bucket, with `L` its padded flat shard on `S` shard ranks
-and `c` / `r` the compute / reduce dtype sizes:
-
-    gathered   S * L * c   the all-gather output the modules compute with (S == 1: the shard
-                           itself, counted only when cast to another dtype, then L * c)
-    send       L * c       the shard cast to the compute dtype (mixed precision), alive until
-                           its all-gather has completed
-    copy-out   S * L * c   NCCL only, buckets of several parameters: the rank-major output and
-                           its parameter-major copy coexist for a moment (gloo lands each
-                           parameter's rows in place, so there is none)
-    reduce     S * L * r   the packed gradients a reduce-scatter sends (trainable, S > 1; with
-                           S == 1 the packed gradients become the `.grad` storage itself);
-                           gloo sends from the unsharded gradients themselves, held until the
-                           reduction is done: numel * r, no padding
+"""The engine's step replayed: over buffer sizes for the transient working set
+(`working_set_bytes`), and over seconds for the step time (`simulate_step`).
 
 [Note: the planner replays the engine's step]
-This file is `Runtime`'s schedule (engine/hooks.py) for one step, written out again over byte
-sizes: the engine exposes no schedule to read, so a change to the order below in hooks.py must
-be made here too (and in `timing.simulate_step`, the same order over seconds). Replayed, in
-order: `Runtime.pre_forward` and `_gather_ahead` (the prefetch window), `post_forward` (the
-release after forward; the root is kept, see [Note: the root stays gathered] in
-engine/hooks.py), `_prefetch_backward_start` (see [Note: the turn from forward to backward] in
+This file is `Runtime`'s schedule (engine/hooks.py) for one step, written out again, twice:
+over byte sizes and over seconds. The engine exposes no schedule to read, so a change to the
+order below in hooks.py must be made in both replays here. Replayed, in order:
+`Runtime.pre_forward` and `_gather_ahead` (the prefetch window), `post_forward` (the release
+after forward; the root is kept, see [Note: the root stays gathered] in engine/hooks.py),
+`_prefetch_backward_start` (see [Note: the turn from forward to backward] in
 engine/hooks.py), `post_backward` with `_queue_reductions` (the `max_pending_reductions`
 window) and the release, `_finalize_backward`. The gloo budgets are the engine's own
 (`small_units_bytes()`; see [Note: small units travel together] in engine/small_units.py).
-tests/distributed/test_plan_accuracy.py compares this replay with the engine's
-`memory_stats()["peak_unsharded_bytes"]` over real steps, so a schedule that moved shows there.
+tests/distributed/test_plan_accuracy.py compares the byte replay with the engine's
+`memory_stats()["peak_unsharded_bytes"]` over real steps, so a schedule that moved shows there;
+`benchmarks/plan_accuracy.py` compares the time replay with measured steps.
 
 In the unit order root, blocks...:
 
@@ -48,6 +33,23 @@ backward  ZeRO-3 (with S > 1): the root is gathered again first (the LM head is 
           autograd itself keeps whatever it saved) gather nothing in backward and release
           each unit after reducing it.
 
+The working set: what is counted is exactly what the engine counts in `memory_stats()`
+(`engine/memory.py`): every buffer `engine/bucket.py` allocates beyond the shards and the
+`.grad` storage, from its allocation until it is freed. Per bucket, with `L` its padded flat
+shard on `S` shard ranks and `c` / `r` the compute / reduce dtype sizes:
+
+    gathered   S * L * c   the all-gather output the modules compute with (S == 1: the shard
+                           itself, counted only when cast to another dtype, then L * c)
+    send       L * c       the shard cast to the compute dtype (mixed precision), alive until
+                           its all-gather has completed
+    copy-out   S * L * c   NCCL only, buckets of several parameters: the rank-major output and
+                           its parameter-major copy coexist for a moment (gloo lands each
+                           parameter's rows in place, so there is none)
+    reduce     S * L * r   the packed gradients a reduce-scatter sends (trainable, S > 1; with
+                           S == 1 the packed gradients become the `.grad` storage itself);
+                           gloo sends from the unsharded gradients themselves, held until the
+                           reduction is done: numel * r, no padding
+
 The working set is the peak of the running sum, over the first step and a later one (with
 prefetching); roughly, ZeRO-3 holds the root plus `prefetch_limit + 1` blocks plus up to
 `max_pending_reductions + 1` units' reduce inputs, and ZeRO-2 the whole model gathered plus one
@@ -57,15 +59,41 @@ Not counted (they are not the engine's): autograd's unsharded gradients of the u
 backward is running (reported separately as `backward_scratch_bytes`: the root's plus the
 largest other unit's, in the compute dtype), the activations, gloo's reduce-scatter receive
 scratch, and NO_SHARD's reduce-dtype copy of the gradients under mixed precision.
+
+The step time: the same order on two timelines, compute and one FIFO communication queue,
+over the per-unit costs of `timing.py`. Forward: the root's pre-hook issues its gather and
+prefetches the next `prefetch` units; each unit's pre-hook tops the window up and waits for its
+own gather. Backward (ZeRO-3): the root stays gathered from its forward (the default
+`reshard_after_forward=None`; a root that reshards is gathered again first), each block is
+gathered again with the same prefetch window;
+a unit's reduce-scatter (and HYBRID all-reduce) is queued when its backward is done, and with
+more than `max_pending_reductions` in flight compute waits for the oldest. The root's gradients
+complete last (the embedding is the first op of forward), so its reduction is exposed. Then the
+optimizer step (`timing.optimizer_seconds`).
+
+Ranks that share cores (more ranks than cores, or a loaded machine) drift apart while they
+compute, and an exchange completes only when the last of them reaches it: each exchange
+starts `min(drift_max, drift_per_s * c)` after it was issued, `c` the compute since the ranks
+last waited together (the last exchange compute waited for; at the start, the optimizer step),
+or when the queue is free, whichever is later; small units that travel together pay their
+share of it, as of the latency. Behind a large unit's compute or a busy queue the drift is
+hidden; small units wait for it (`benchmarks/sync_cost.py`: 3 ranks on 2 cores
+drift 3 ms in 9 ms of compute, 11 ms in 38).
+
+Compute waits are the *exposed* communication. On CPUs the hidden part still costs
+`(1 - overlap)` of its time (gloo's threads take cores from compute). Gradient accumulation over
+`M` micro-batches either reduces every micro-batch or, under `no_sync`, only the last one (the
+earlier ones gather but do not reduce).
 """
 
 from __future__ import annotations
 
 import collections
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fullshard.planner.sizes import ModelStructure, PrecisionSpec, size_of
+from fullshard.planner.timing import UnitTimes
 
 BACKENDS = ("nccl", "gloo")
 
@@ -298,3 +326,160 @@ class _Replay:
         self.reduce(i)
         self.release(i)
 
+
+# -- the step over seconds ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepTime:
+    step: float
+    """Seconds per optimizer step (all micro-batches)."""
+    compute: float
+    comm: float
+    """Communication time per step, hidden or not."""
+    exposed: float
+    """Communication compute waited for (plus the CPU cost of the hidden part)."""
+    optimizer: float
+    tokens_per_step: int
+    first_gather: float = 0.0
+    last_reduce: float = 0.0
+    starved_units: list[str] = field(default_factory=list)
+    """Units whose gather takes longer than the compute it hides behind."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step if self.step > 0 else float("inf")
+
+    def to_dict(self) -> dict:
+        return {"step_s": self.step, "compute_s": self.compute, "comm_s": self.comm,
+                "exposed_comm_s": self.exposed, "optimizer_s": self.optimizer,
+                "tokens_per_s": self.tokens_per_s, "first_gather_s": self.first_gather,
+                "last_reduce_s": self.last_reduce, "starved_units": list(self.starved_units)}
+
+
+class _Queue:
+    """One FIFO communication queue: a collective starts when issued and the previous is done."""
+
+    def __init__(self) -> None:
+        self.free = 0.0
+        self.busy = 0.0
+
+    def issue(self, at: float, duration: float) -> float:
+        start = max(self.free, at)
+        self.free = start + duration
+        self.busy += duration
+        return self.free
+
+
+def simulate_step(
+    times: list[UnitTimes],
+    *,
+    zero3: bool,
+    root_regathered: bool = False,
+    prefetch: int = 1,
+    max_pending_reductions: int = 2,
+    micro_batches: int = 1,
+    no_sync: bool = True,
+    optimizer: float = 0.0,
+    overlap: float = 1.0,
+    drift: tuple[float, float] = (0.0, 0.0),
+    tokens_per_micro_batch: int = 0,
+    names: list[str] | None = None,
+) -> StepTime:
+    """Replay one optimizer step (module docstring) and return its timing. `drift`:
+    (drift_per_s, drift_max) of the hardware."""
+    q = _Queue()
+    t = 0.0
+    compute = 0.0
+    waited = 0.0  # compute waiting for exchanges, drift included
+    waited_on_queue = 0.0  # the part of it spent on the exchanges' own time (not hidden)
+    drift_per_s, drift_max = drift
+    met = -optimizer  # when the ranks last waited together: the previous step's last reduction
+
+    def done(at: float, duration: float, share: float) -> tuple[float, float]:
+        """(when an exchange issued at `at` completes, its time on the queue): it starts once
+        the last rank has reached it, `at` plus the drift since the ranks last met (a small
+        unit's `share` of it: one drift per exchange), and the queue is free (so behind a
+        busy queue the drift costs nothing)."""
+        late = share * min(drift_max, drift_per_s * max(at - met, 0.0))
+        return q.issue(at + late, duration), duration
+
+    def block(exchange: tuple[float, float]) -> None:
+        """Compute waits for an exchange: the ranks meet when it completes."""
+        nonlocal t, waited, waited_on_queue, met
+        until, duration = exchange
+        if until > t:
+            waited += until - t
+            waited_on_queue += min(until - t, duration)
+            t = met = until
+
+    first_gather = times[0].gather if times else 0.0
+    starved: set[int] = set()
+    last_reduce = 0.0
+    n = len(times)
+    blocks = list(range(1, n))
+    gathered_until: dict[int, tuple[float, float]] = {}  # unit -> done() of its gather
+
+    def issue(j: int, at: float) -> None:
+        if j not in gathered_until:
+            gathered_until[j] = done(at, times[j].gather, times[j].share)
+
+    def wait(j: int) -> None:
+        if gathered_until[j][0] > t and j != 0:
+            starved.add(j)
+        block(gathered_until[j])
+
+    for m in range(micro_batches):
+        reduce_now = m == micro_batches - 1 or not no_sync
+        gathered_until.clear()  # every unit is sharded between micro-batches
+
+        # -- forward: root, blocks in order, the root's head last -----------------------------
+        order = [0, *blocks]
+        for k, i in enumerate(order):
+            issue(i, t)
+            for j in order[k + 1 : k + 1 + prefetch]:
+                issue(j, t)
+            wait(i)
+            if i != 0:
+                t += times[i].forward
+                compute += times[i].forward
+                if zero3:
+                    del gathered_until[i]
+        t += times[0].forward
+        compute += times[0].forward
+        # -- backward: root's head, blocks reversed, root's embedding -------------------------
+        pending: list[tuple[float, float]] = []
+        if zero3 and root_regathered:
+            gathered_until.pop(0, None)
+        border = [0, *reversed(blocks)]
+        for k, i in enumerate(border):
+            # ZeRO-2 / NO_SHARD / the kept root: still gathered, nothing is issued.
+            issue(i, t)
+            for j in border[k + 1 : k + 1 + prefetch]:
+                issue(j, t)
+            wait(i)
+            if i == 0:
+                continue  # the root's backward finishes last, below
+            work = times[i].backward + times[i].recompute + (times[i].regather if zero3 else 0.0)
+            t += work
+            compute += work
+            if reduce_now:
+                while len(pending) >= max_pending_reductions + 1:
+                    block(pending.pop(0))
+                pending.append(done(t, times[i].reduce, times[i].share))
+        work = times[0].backward + times[0].recompute
+        if zero3 and root_regathered:
+            work += times[0].regather
+        t += work
+        compute += work
+        if reduce_now:
+            last_reduce = times[0].reduce
+            block(done(t, times[0].reduce, times[0].share))
+        if pending:  # the drift can end an earlier reduction after the root's
+            block(max(pending))  # tuples: by completion
+        t = max(t, q.free)
+    hidden = max(0.0, q.busy - waited_on_queue)
+    exposed = waited + (1.0 - overlap) * hidden
+    step = t + (1.0 - overlap) * hidden + optimizer
+    labels = names or [str(i) for i in range(n)]
+    return StepTime(step, compute, q.busy, exposed, optimizer,
+                    tokens_per_micro_batch * micro_batches, first_gather, last_reduce,
+                    [labels[i] for i in sorted(starved)])
