@@ -178,6 +178,34 @@ def test_under_the_table_a_world_size_the_search_makes_fit_is_not_called_nothing
     assert "N=2: nothing fits." in hopeless.render().splitlines()
 
 
+def test_buckets_and_their_dtypes_are_the_engines_own():
+    """The planner reads the units and buckets through `engine.sharding.unit_specs`, what
+    `shard_module` builds from: under mixed precision a full-precision module's parameters
+    (BatchNorm) get a bucket of their own, gathered and reduced in fp32."""
+    from fullshard.config import FSDPBucketingStrategy
+    from fullshard.engine.sharding import unit_specs
+    from fullshard.planner.sizes import model_structure, resolve_precision_spec
+    from fullshard.testing.models import ConvBNNet
+
+    precision = resolve_precision_spec("bf16-mixed")
+    with torch.device("meta"):
+        model = ConvBNNet()
+    for bucketing in FSDPBucketingStrategy:
+        engine = unit_specs(model, "root", bucketing, precision.mixed)
+        planned = model_structure(model, "root", bucketing, mixed_precision=precision.mixed)
+        assert [[tuple(o.current.shape for o in b.params) for b in u.buckets] for u in engine] \
+            == [[b.shapes for b in u.buckets] for u in planned.units]
+        for spec, shape in zip(engine[0].buckets, planned.units[0].buckets):
+            master, compute, reduce = precision.dtypes(shape)
+            assert compute == (spec.compute_dtype or spec.dtype)
+            assert reduce == (spec.reduce_dtype or compute)
+    full = [b for b in planned.units[0].buckets if b.full_precision]
+    assert [b.shapes for b in full] == [(torch.Size([5]), torch.Size([5]))]  # bn weight, bias
+    assert precision.dtypes(full[0])[1:] == (torch.float32, torch.float32)
+    assert {precision.dtypes(b)[1] for b in planned.units[0].buckets if not b.full_precision} \
+        == {torch.bfloat16}
+
+
 def test_no_budget_means_fits_unknown():
     table = fullshard.plan("tiny", world_sizes=(2,))
     assert all(r.fits is None for r in table.rows)
