@@ -59,7 +59,7 @@ def measure(config: str, steps: int, rounds: int) -> dict:
     from plan_accuracy import _model_factory, _vocab
 
     import fullshard
-    from fullshard.planner.measure import measure_ranks
+    from fullshard.planner.hardware import measure_ranks
 
     torch.set_num_threads(1)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -97,10 +97,9 @@ def model_compute(config: str, batch: int, hardware) -> float:  # type: ignore[n
     from plan_accuracy import _model_factory
 
     from fullshard.config import FSDPBucketingStrategy
-    from fullshard.planner.estimate import resolve_precision_spec
-    from fullshard.planner.model_spec import resolve_model
+    from fullshard.planner.models import resolve_model
     from fullshard.planner.profile import profile_forward
-    from fullshard.planner.structure import model_structure
+    from fullshard.planner.sizes import model_structure, resolve_precision_spec
     from fullshard.planner.timing import unit_times
 
     factory, seq, _, block = _model_factory(config)
@@ -124,8 +123,8 @@ def main() -> None:
     import plan_breakdown  # pickled by module name into the ranks
     from plan_accuracy import _model_factory
 
-    from fullshard.planner.measure import measure_local, worst_of
-    from fullshard.planner.predict import predict
+    from fullshard.planner.api import predict
+    from fullshard.planner.hardware import measure_local, worst_of
     from fullshard.testing import DistributedGroup
 
     with DistributedGroup(args.world) as group:

@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 
 def measure(chunks: list[int]) -> dict:
     from fullshard.distributed import comm
-    from fullshard.planner.measure import _median_of, _world
+    from fullshard.planner.hardware import _median_of, _world
 
     torch.set_num_threads(1)
     group = _world()

@@ -226,7 +226,7 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_plan(subparsers: argparse._SubParsersAction) -> None:
-    from fullshard.planner.command import add_plan_parser
+    from fullshard.planner.api import add_plan_parser
 
     add_plan_parser(subparsers)
 

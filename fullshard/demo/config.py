@@ -1,9 +1,10 @@
 """The demo's settings and its model: what `fullshard demo` trains, and what `fullshard plan demo`
-plans. Kept apart from train.py (which imports all of fullshard) so the planner can build the
-demo model without importing the package that imports the planner."""
+plans (the planner names `build_demo_model` as a factory). Kept apart from train.py (which
+imports all of fullshard) so building the demo model imports nothing that imports the planner."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from fullshard.demo.data import VOCAB
@@ -31,3 +32,13 @@ class DemoConfig:
 
 def build_model(cfg: DemoConfig) -> TinyGPT:
     return TinyGPT(vocab=VOCAB, dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, seq=cfg.seq)
+
+
+def build_demo_model(**overrides: int) -> TinyGPT:
+    """The model `fullshard demo` trains (its `DemoConfig`, any model field overridable), on
+    the current default device."""
+    fields = {"dim", "layers", "heads", "seq"}
+    unknown = set(overrides) - fields
+    if unknown:
+        raise ValueError(f"Unknown demo config field(s) {sorted(unknown)}; valid: {sorted(fields)}")
+    return build_model(dataclasses.replace(DemoConfig(), **overrides))

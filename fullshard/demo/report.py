@@ -34,13 +34,13 @@ def predicted_step_seconds(result: DemoResult) -> tuple[float, str] | None:
     """The planner's step time for this run on this machine (`--hardware local`, measured
     now; a preset GPU on CUDA), and the hardware's name; None if it cannot be predicted."""
     from fullshard.demo.config import build_model
-    from fullshard.planner.predict import predict
+    from fullshard.planner.api import predict
 
     cfg = result.config
     per_rank = -(-cfg.batch // result.world_size)  # the rank with the most rows sets the pace
     hardware: object = "h100-sxm"
     if not result.device.startswith("cuda"):
-        from fullshard.planner.measure import measure_local
+        from fullshard.planner.hardware import measure_local
 
         hardware = measure_local(link=result.link)
     try:

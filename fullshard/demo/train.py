@@ -23,7 +23,7 @@ import fullshard
 from fullshard.demo.config import DemoConfig, build_model
 from fullshard.demo.data import decode, encode, global_batch, load_corpus, rank_rows
 from fullshard.distributed import comm
-from fullshard.planner.measure import measure_link
+from fullshard.planner.hardware import measure_link
 from fullshard.testing.models import TinyGPT
 
 
@@ -42,7 +42,7 @@ class DemoResult:
     checkpoint: str
     sample: str
     link: dict[str, float] | None = None
-    """The ranks' loopback link and engine overhead (`planner.measure.measure_link`), for the
+    """The ranks' loopback link and engine overhead (`planner.hardware.measure_link`), for the
     predicted step time on this machine."""
 
 

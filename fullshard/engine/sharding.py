@@ -11,7 +11,8 @@ on the source rank -- are ever allocated at once):
       never exists in full;
    b. its parameters are grouped into buckets by the bucketing strategy, dtype and
       `requires_grad` (a bucket's flat buffers need one dtype; frozen parameters are gathered
-      but never reduced, so they never share a bucket with trainable ones);
+      but never reduced, so they never share a bucket with trainable ones): `unit_buckets`,
+      which `unit_specs` also gives the planner for a model it does not change;
    c. each bucket's flat shard is filled from the local values, or scattered from
       `broadcast_from`, and the local shards replace the parameters under their names;
 3. buffers move to the device (cast to the buffer dtype, broadcast from `broadcast_from`);
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -50,7 +52,7 @@ from fullshard.engine.precision import (
 )
 from fullshard.engine.sharded_param import ShardedParam
 from fullshard.engine.unit import Unit
-from fullshard.engine.wrap import ParamOwnership, assign_params, choose_units
+from fullshard.engine.wrap import ParamOwnership, assign_params, choose_units, select_units
 
 
 def shard_module(
@@ -93,22 +95,19 @@ def shard_module(
         mine = [o for o in owned if o.unit is module]
         materialize_unit(model, module, set(map(id, unit_modules)), mine, device, param_init_fn)
         buckets = []
-        for group in _bucket_groups(mine, bucketing, fp_ids):
-            params = [_sharded_param(o, mesh) for o in group]
-            dtype = group[0].current.dtype
-            full = holds_full_precision(group[0].refs, fp_ids)
-            compute, reduce = bucket_dtypes(mixed_precision, dtype, full)
+        for spec in unit_buckets(mine, bucketing, mixed_precision, fp_ids):
+            params = [_sharded_param(o, mesh) for o in spec.params]
             bucket = Bucket(
                 params,
                 mesh,
-                dtype=dtype,
+                dtype=spec.dtype,
                 device=device,
-                compute_dtype=compute,
-                reduce_dtype=reduce,
+                compute_dtype=spec.compute_dtype,
+                reduce_dtype=spec.reduce_dtype,
                 offload=offload,
-                keep_low_precision_grads=keeps_low_precision_grads(mixed_precision, full),
+                keep_low_precision_grads=spec.keep_low_precision_grads,
             )
-            _fill_bucket(bucket, group, mesh, broadcast_from, shard_rank_of_global)
+            _fill_bucket(bucket, spec.params, mesh, broadcast_from, shard_rank_of_global)
             for sp in params:
                 sp.attach(bucket.padded_shard(sp))
             buckets.append(bucket)
@@ -146,11 +145,75 @@ def shard_module(
     return runtime
 
 
-def _precision_dtypes(
-    mp: MixedPrecision | None, dtype: torch.dtype
-) -> tuple[torch.dtype | None, torch.dtype | None]:
-    """(compute, reduce) dtypes of an ordinary bucket (the planner's estimate uses it)."""
-    return bucket_dtypes(mp, dtype, full_precision=False)
+@dataclass(frozen=True)
+class BucketSpec:
+    """One bucket as `shard_module` builds it: its parameters and their dtypes (precision.py)."""
+
+    params: tuple[ParamOwnership, ...]
+    dtype: torch.dtype
+    """The shards' dtype: the parameters' own (one per bucket)."""
+    compute_dtype: torch.dtype | None
+    """Gathered in (None: `dtype`)."""
+    reduce_dtype: torch.dtype | None
+    """Reduced in (None: the compute dtype)."""
+    full_precision: bool
+    """Held by a full-precision module: gathered and reduced in `dtype` (precision.py)."""
+    keep_low_precision_grads: bool
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.params[0].current.requires_grad
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """One unit as `shard_module` builds it, before anything is sharded."""
+
+    module: nn.Module
+    name: str
+    """Module path ('' for the root)."""
+    buckets: tuple[BucketSpec, ...]
+
+
+def unit_buckets(
+    owned: Sequence[ParamOwnership],
+    bucketing: FSDPBucketingStrategy,
+    mixed_precision: MixedPrecision | None,
+    fp_ids: set[int] | frozenset[int] = frozenset(),
+) -> list[BucketSpec]:
+    """One unit's parameters grouped into buckets, in order: by the bucketing strategy, dtype,
+    `requires_grad` and full precision (a bucket's flat buffers need one dtype; frozen
+    parameters are gathered but never reduced; full-precision ones gather in their own dtype),
+    with each bucket's dtypes. `shard_module` builds exactly these (the planner counts them)."""
+    specs = []
+    for group in _bucket_groups(owned, bucketing, fp_ids):
+        dtype = group[0].current.dtype
+        full = holds_full_precision(group[0].refs, fp_ids)
+        compute, reduce = bucket_dtypes(mixed_precision, dtype, full)
+        specs.append(BucketSpec(tuple(group), dtype, compute, reduce, full,
+                                keeps_low_precision_grads(mixed_precision, full)))
+    return specs
+
+
+def unit_specs(
+    model: nn.Module,
+    policy: object,
+    bucketing: FSDPBucketingStrategy,
+    mixed_precision: MixedPrecision | None,
+    ignored: Ignored | None = None,
+) -> list[UnitSpec]:
+    """The units (root first) and buckets `shard_module` would build for `model`, read off it
+    without changing it: a meta-device model works (the planner's use)."""
+    unit_modules = select_units(model, policy, ignored)
+    owned = assign_params(model, unit_modules, ignored)
+    fp_ids = full_precision_ids(model, mixed_precision)
+    names = {id(m): n for n, m in model.named_modules()}
+    return [
+        UnitSpec(m, names[id(m)],
+                 tuple(unit_buckets([o for o in owned if o.unit is m], bucketing,
+                                    mixed_precision, fp_ids)))
+        for m in unit_modules
+    ]
 
 
 def _sharded_param(o: ParamOwnership, mesh: ShardMesh) -> ShardedParam:

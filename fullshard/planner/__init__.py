@@ -8,24 +8,23 @@ configurations a user could pick (strategy and mesh, activation checkpointing, C
 precision, prefetch, micro-batch and accumulation) and recommends the fastest that fits, with
 its predicted step time on a given hardware.
 
-Files: `model_spec.py` (what model, which units), `models.py` (the Llama-style configs),
-`structure.py` (units and buckets as the engine builds them), `estimate.py` (persistent bytes
-and communication), `working_set.py` (transient bytes), `activations.py`, `profile.py` (the
-per-unit meta forward: saved bytes, inputs, FLOPs), `hardware.py` (presets, files),
-`measure.py` (`--hardware local`), `timing.py` (step time), `search.py` (the search),
-`recommendation.py` (a configuration as `fsdp()` keyword arguments), `search_report.py`
-(its text), `predict.py` (one configuration), `sizes.py` (byte strings), `table.py` (the
-result), `api.py` (`plan()`), `command.py` (the CLI subcommand).
+Files, each importing only those before it (and the engine below them): `models.py` (what
+model, which units; the Llama configs), `sizes.py` (units and buckets as the engine builds
+them, persistent bytes, communication, byte strings), `profile.py` (the meta forward:
+activations, per-unit inputs and work), `timing.py` (`Hardware` and what each unit costs on
+it), `schedule.py` (the engine's step replayed: the working set and the step time),
+`hardware.py` (presets, files, `--hardware local`), `search.py` (the search and its
+configurations as `fsdp()` keyword arguments), `table.py` (the result and its text), `api.py`
+(`plan()`, `predict()`, the CLI subcommand).
 """
 
-from fullshard.planner.api import plan
-from fullshard.planner.hardware import PRESETS, Hardware
-from fullshard.planner.model_spec import BUILTIN_CONFIGS, build_demo_model
-from fullshard.planner.predict import predict
-from fullshard.planner.recommendation import CheckpointEvery, Evaluated
-from fullshard.planner.search import SearchResult, SearchSpace
+from fullshard.planner.api import plan, predict
+from fullshard.planner.hardware import PRESETS
+from fullshard.planner.models import BUILTIN_CONFIGS
+from fullshard.planner.search import CheckpointEvery, Evaluated, SearchResult, SearchSpace
 from fullshard.planner.sizes import format_bytes, parse_bytes
 from fullshard.planner.table import PlanRow, PlanTable
+from fullshard.planner.timing import Hardware
 
 __all__ = [
     "BUILTIN_CONFIGS",
@@ -37,7 +36,6 @@ __all__ = [
     "PlanTable",
     "SearchResult",
     "SearchSpace",
-    "build_demo_model",
     "format_bytes",
     "parse_bytes",
     "plan",

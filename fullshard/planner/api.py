@@ -1,37 +1,47 @@
-"""`fullshard.plan()`: will this model fit, and with which strategy?
+"""`fullshard.plan()`: will this model fit, and with which strategy? `predict()`: the memory and
+step time of one configuration. `fullshard plan`: the CLI subcommand around `plan()`.
 
-It resolves the model (built on the meta device), reads off the units and buckets the engine
-would build, and for every (world size, strategy) computes the per-rank bytes and the
-communication per step (`estimate.py`, `working_set.py`), an activation estimate when a batch
-shape is given (`activations.py`), and which configurations fit a budget. The result is a
-`PlanTable` (`table.py`): data, `.to_dict()`, `.recommend()`, and `str()` as a table.
+`plan()` resolves the model (built on the meta device), reads off the units and buckets the
+engine would build, and for every (world size, strategy) computes the per-rank bytes and the
+communication per step (`sizes.py`, `schedule.py`), an activation estimate when a batch shape
+is given (`profile.py`), and which configurations fit a budget; with a budget it also searches
+(`search.py`). The result is a `PlanTable` (`table.py`): data, `.to_dict()`, `.recommend()`, and
+`str()` as a table.
+
+`predict()` is the search restricted to a single point of its space, for checking the model
+against a real run (the demo, `benchmarks/plan_accuracy.py`, the tests).
+
+`fullshard.cli` calls `add_plan_parser(subparsers)`; nothing heavy is imported until the
+command runs, so `fullshard --help` stays fast.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-from collections.abc import Iterable
+import json
+from collections.abc import Callable, Iterable
 
 from fullshard.config import ShardingPlan, resolve_bucketing_strategy, resolve_sharding_strategy
 from fullshard.distributed import comm
 from fullshard.engine.small_units import small_units_bytes
-from fullshard.planner.activations import activation_bytes
-from fullshard.planner.estimate import (
+from fullshard.engine.wrap import select_units
+from fullshard.planner.hardware import resolve_hardware
+from fullshard.planner.models import resolve_model
+from fullshard.planner.profile import ForwardProfile, activation_bytes, profile_forward
+from fullshard.planner.schedule import backward_scratch_bytes, unit_costs, working_set_bytes
+from fullshard.planner.search import Evaluated, SearchSpace, precision_specs
+from fullshard.planner.search import search as run_search
+from fullshard.planner.sizes import (
     comm_bytes,
     dtype_names,
     model_state_bytes,
+    model_structure,
+    parse_bytes,
     resolve_optimizer,
     resolve_precision_spec,
 )
-from fullshard.planner.hardware import resolve_hardware
-from fullshard.planner.model_spec import resolve_model
-from fullshard.planner.profile import ForwardProfile, profile_forward
-from fullshard.planner.search import SearchSpace, precision_specs
-from fullshard.planner.search import search as run_search
-from fullshard.planner.sizes import parse_bytes
-from fullshard.planner.structure import model_structure
 from fullshard.planner.table import STRATEGY_ORDER, PlanRow, PlanTable
-from fullshard.planner.working_set import backward_scratch_bytes, unit_costs, working_set_bytes
 
 _CANONICAL = {"ZERO3": "FULL_SHARD", "ZERO2": "SHARD_GRAD_OP"}
 
@@ -75,7 +85,7 @@ def plan(
         batch, seq: per-rank micro-batch and sequence length for the activation estimate
             (both or neither).
         auto_wrap_policy: the units, as `fsdp()` takes it; default: the config's block class,
-            or a guess for other models (see `planner.model_spec`).
+            or a guess for other models (see `planner.models`).
         bucketing: 'NONE', 'LAYER' or 'BLOCK'. prefetch_limit, max_pending_reductions: as in
             `fsdp()`; they set the working set.
         budget: per-rank memory, bytes or a string such as '80GiB'.
@@ -99,7 +109,7 @@ def plan(
     search_rpn = ranks_per_node
     if ranks_per_node is None:
         ranks_per_node = getattr(hardware, "ranks_per_node", 8)
-    plans = _strategies(strategies)
+    sharding_by_name = _strategies(strategies)
     precision_spec = resolve_precision_spec(precision)
     optim = resolve_optimizer(optimizer)
     bucketing_strategy = resolve_bucketing_strategy(bucketing)
@@ -119,7 +129,8 @@ def plan(
 
     resolved = resolve_model(model_or_factory, auto_wrap_policy)
     structure = model_structure(resolved.module, resolved.policy, bucketing_strategy,
-                                shard_dtype=precision_spec.shard_dtype)
+                                shard_dtype=precision_spec.shard_dtype,
+                                mixed_precision=precision_spec.mixed)
     scratch = backward_scratch_bytes(structure, precision_spec)
     search_result, profiles = None, {}
     if search is None:
@@ -144,7 +155,7 @@ def plan(
     rows = []
     costs_by_shard: dict[int, list] = {}
     for n in sizes:
-        for name, sp in plans:
+        for name, sp in sharding_by_name:
             mesh = _mesh(sp, n, ranks_per_node)
             if mesh is None:
                 note = (f"needs a world size that is a multiple of {ranks_per_node} "
@@ -210,7 +221,8 @@ def _search(resolved, precision_spec, search_precisions, optim, hardware, budget
     def structure_for(p):  # type: ignore[no-untyped-def]
         if p.name not in structures:
             structures[p.name] = model_structure(resolved.module, resolved.policy,
-                                                 bucketing_strategy, shard_dtype=p.shard_dtype)
+                                                 bucketing_strategy, shard_dtype=p.shard_dtype,
+                                                 mixed_precision=p.mixed)
         return structures[p.name]
 
     results = []
@@ -240,8 +252,6 @@ def _search(resolved, precision_spec, search_precisions, optim, hardware, budget
 
 def _unit_classes(resolved) -> tuple:  # type: ignore[no-untyped-def]
     """The block classes (the non-root units), which checkpointing applies to."""
-    from fullshard.engine.wrap import select_units
-
     seen: dict[type, None] = {}
     for m in select_units(resolved.module, resolved.policy)[1:]:
         seen.setdefault(type(m), None)
@@ -290,3 +300,174 @@ def _mesh(sp: ShardingPlan, world: int, ranks_per_node: int) -> tuple[int, int] 
             return None
         return (world // ranks_per_node, ranks_per_node)
     return (1, world)
+
+
+# -- one configuration ----------------------------------------------------------------------------
+def predict(
+    model_or_factory: object,
+    *,
+    world_size: int,
+    strategy: str = "FULL_SHARD",
+    precision: str = "32-true",
+    optimizer: str = "adamw",
+    batch: int,
+    seq: int,
+    hardware: object = "h100-sxm",
+    bucketing: object = "BLOCK",
+    prefetch_limit: int = 1,
+    checkpoint_every: int = 0,
+    cpu_offload: bool = False,
+    accumulation: int = 1,
+    no_sync: bool = True,
+    auto_wrap_policy: object = None,
+    backend: str | None = None,
+    ranks_per_node: int | None = None,
+    max_pending_reductions: int = 2,
+    attention: str = "flash",
+) -> Evaluated:
+    """Predicted memory and step time of training `model_or_factory` on `world_size` ranks
+    with `batch` sequences of `seq` tokens per rank and micro-batch (times `accumulation`
+    micro-batches per step). Options as `fullshard.plan()` and `fsdp()`."""
+    if not isinstance(accumulation, int) or isinstance(accumulation, bool) or accumulation < 1:
+        raise ValueError(f"accumulation must be an int >= 1, got {accumulation!r}")
+    name = strategy.upper()
+    space = SearchSpace(strategies=(name,), checkpoint_every=(checkpoint_every,),
+                        cpu_offload=(cpu_offload,), prefetch=(prefetch_limit,),
+                        micro_batch=batch, no_sync=(no_sync,),
+                        max_micro_batches=accumulation)
+    table = plan(model_or_factory, world_sizes=(world_size,), strategies=(name,),
+                 precision=precision, optimizer=optimizer, batch=batch * accumulation,
+                 seq=seq, auto_wrap_policy=auto_wrap_policy, bucketing=bucketing,
+                 prefetch_limit=prefetch_limit, budget=None, backend=backend,
+                 ranks_per_node=ranks_per_node, attention=attention, hardware=hardware,
+                 search=True, search_space=space,
+                 max_pending_reductions=max_pending_reductions)
+    assert table.search is not None
+    ranked = table.search.ranked
+    if not ranked:
+        raise ValueError(f"Nothing to predict: {'; '.join(table.search.skipped)}")
+    return ranked[0]
+
+
+# -- the CLI subcommand ---------------------------------------------------------------------------
+_EPILOG = """\
+MODEL is a built-in config (tiny, demo, llama-7b, llama-13b, llama-70b) or
+package.module:factory, a callable returning an nn.Module; it is built on the meta device, so
+nothing is allocated (a 70B model plans in seconds).
+
+examples:
+  fullshard plan llama-7b --world-sizes 8,16,32 --precision bf16-mixed --budget 80GiB
+  fullshard plan llama-70b --precision bf16-mixed --batch 1 --seq 4096 --budget 80GiB \
+      --world-sizes 8,16,64
+  fullshard plan llama-13b --global-batch 256 --seq 4096 --budget 80GiB --hardware a100-80gb
+  fullshard plan demo --world-sizes 2,3 --budget 1GiB --hardware local
+  fullshard plan mypkg.models:build_model --wrap MyBlock --optimizer sgd-momentum
+
+All numbers are per rank. state = parameters + gradients + optimizer state (exact, padding
+included); working = unsharded parameters and gradients in flight (from the actual units,
+bucketing and prefetch); comm/step = bytes each rank sends per training step.
+
+With --budget (or --search) the planner also searches: strategy and mesh, activation
+checkpointing (none, every 4th / 2nd block, every block), CPU offload, the precisions given,
+prefetch 1-2, and micro-batch with gradient accumulation (to --global-batch), and recommends
+the fastest configuration that fits, with its predicted step time and tokens/s per rank on
+--hardware, the exposed communication and what would hide it.
+"""
+
+
+def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="per-rank memory and communication of a model for each strategy and world size",
+        description="Plan a model's memory per rank and communication per step for each "
+        "sharding strategy and world size, and recommend the cheapest that fits.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", metavar="MODEL", help="built-in config or package.module:factory")
+    p.add_argument("--world-sizes", default="1,2,4,8", metavar="N,N,...",
+                   help="numbers of ranks to plan for (default: 1,2,4,8)")
+    p.add_argument("--strategies", default=None, metavar="S,S,...",
+                   help="FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD (default: all)")
+    p.add_argument("--precision", default="32-true",
+                   help="32-true, bf16-mixed, 16-mixed, bf16-true, 16-true, or several "
+                   "comma-separated for the search to try (the table shows the first) "
+                   "(default: 32-true)")
+    p.add_argument("--optimizer", default="adamw",
+                   choices=("adamw", "adam", "sgd", "sgd-momentum"),
+                   help="optimizer state to count (default: adamw)")
+    p.add_argument("--batch", type=int, default=None, metavar="B",
+                   help="per-rank micro-batch, for the activation estimate (with --seq)")
+    p.add_argument("--seq", type=int, default=None, metavar="S",
+                   help="sequence length, for the activation estimate (with --batch)")
+    p.add_argument("--budget", default=None, metavar="BYTES",
+                   help="memory per rank, e.g. 80GiB, 24GB, 512MiB")
+    p.add_argument("--bucketing", default="BLOCK", help="NONE, LAYER or BLOCK (default: BLOCK)")
+    p.add_argument("--prefetch-limit", type=int, default=1, metavar="K",
+                   help="units gathered ahead, as fsdp(prefetch_limit=) (default: 1)")
+    p.add_argument("--wrap", default=None, metavar="CLASS,...",
+                   help="module class names that become units, or 'root' for the whole model "
+                   "as one unit (default: the config's block, else fsdp()'s default units)")
+    p.add_argument("--backend", default=None, choices=("nccl", "gloo"),
+                   help="collective backend (default: gloo with --hardware local, else nccl)")
+    p.add_argument("--ranks-per-node", type=int, default=None, metavar="K",
+                   help="shard size of HYBRID_SHARD (default: the hardware's, 8)")
+    p.add_argument("--attention", default="flash", choices=("flash", "math"),
+                   help="count attention activations as fused kernels save them, or the "
+                   "math kernel's seq x seq matrix (default: flash)")
+    p.add_argument("--global-batch", type=int, default=None, metavar="G",
+                   help="sequences per optimizer step over all ranks: the search makes up "
+                   "G / N per rank from micro-batches and gradient accumulation")
+    p.add_argument("--hardware", default="h100-sxm", metavar="NAME|FILE|local",
+                   help="for the time model: h100-sxm, h200-sxm, a100-80gb, l40s, a JSON "
+                   "file of Hardware fields, or 'local' (measured now, a few seconds) "
+                   "(default: h100-sxm)")
+    p.add_argument("--search", dest="search", action="store_true", default=None,
+                   help="search configurations for the fastest that fits (default: with "
+                   "--budget)")
+    p.add_argument("--no-search", dest="search", action="store_false",
+                   help="only the per-strategy table")
+    p.add_argument("--json", action="store_true", help="print the table as JSON")
+    p.set_defaults(handler=_handler(p))
+
+
+def _split(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _handler(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace, object], int]:
+    def run(args: argparse.Namespace, parser: object) -> int:
+        try:
+            sizes = [int(t) for t in _split(args.world_sizes) or []]
+        except ValueError:
+            p.error(f"--world-sizes must be comma-separated integers, got {args.world_sizes!r}")
+        try:
+            precisions = _split(args.precision) or ["32-true"]
+            table = plan(
+                args.model,
+                world_sizes=sizes,
+                strategies=_split(args.strategies),
+                precision=precisions[0],
+                search_precisions=precisions,
+                global_batch=args.global_batch,
+                hardware=args.hardware,
+                search=args.search,
+                optimizer=args.optimizer,
+                batch=args.batch,
+                seq=args.seq,
+                auto_wrap_policy=_split(args.wrap),
+                bucketing=args.bucketing,
+                prefetch_limit=args.prefetch_limit,
+                budget=args.budget,
+                backend=args.backend,
+                ranks_per_node=args.ranks_per_node,
+                attention=args.attention,
+            )
+        except (ValueError, TypeError) as e:
+            p.error(str(e))
+        print(json.dumps(table.to_dict(), indent=2) if args.json else table.render())
+        return 0
+
+    return run

@@ -1,15 +1,30 @@
-"""One meta-device forward of the real model, broken down per unit: what each unit saves for
-backward, what its input is (all a checkpointed unit saves), and its work (FLOPs of matmuls and
-attention, bytes moved by every other op, the number of ops).
+"""One meta-device forward of the real model (no memory, no compute): the bytes autograd saves
+for backward, in total (`activation_bytes`) and per unit with each unit's input and work
+(`profile_forward`).
 
-This is what the search (`search.py`) prices activation checkpointing and compute with; the
-plain activation total of `activations.py` is the same forward without the breakdown.
+Saved bytes: every distinct storage packed by `torch.autograd.graph.saved_tensors_hooks` during
+`model(inputs)`, except the parameters' own storages (those are the working set's), plus the
+model's output (the logits live until the loss has been back-propagated). The inputs are token
+ids of shape `(batch, seq)` (int64) unless the model has an `example_input(batch, seq)` method,
+which is then called under `torch.device("meta")`. `batch` is the per-rank micro-batch, so the
+number is the same for every strategy and world size.
 
-Attribution: forward pre/post hooks on the unit modules keep a stack of the running units; an
-op or a saved tensor belongs to the innermost unit running (the root for everything outside the
-blocks: embeddings, final norm, head). The model's output (the logits, alive until the loss is
-back-propagated) is the root's. A unit's *input bytes* are the distinct storages of its
-floating-point tensor arguments: with the unit checkpointed (non-reentrant
+Precision: floating parameters and buffers are converted to the compute dtype on a meta copy,
+as the engine gathers them in `param_dtype` and casts each unit's inputs to it.
+
+Attention: on the meta device `F.scaled_dot_product_attention` runs the math kernel, which
+saves the `seq x seq` attention matrix per head. GPUs run flash / memory-efficient kernels that
+save only the output and a log-sum-exp per row, so with `attention="flash"` (the default)
+fused-eligible calls (no mask, no dropout) are counted as the flash kernel saves them.
+Other ops are counted as their eager (composite) implementations save: e.g. `nn.RMSNorm` on
+a 16-bit input keeps two fp32 copies, where a fused CUDA kernel keeps the input and one scalar
+per row.
+
+Per unit (what the search prices activation checkpointing and compute with): forward pre/post
+hooks on the unit modules keep a stack of the running units; an op or a saved tensor belongs to
+the innermost unit running (the root for everything outside the blocks: embeddings, final
+norm, head). The model's output is the root's. A unit's *input bytes* are the distinct storages
+of its floating-point tensor arguments: with the unit checkpointed (non-reentrant
 `torch.utils.checkpoint`), autograd keeps exactly those and recomputes the rest in backward.
 
 Work, counted by a `TorchDispatchMode` under the same forward (meta tensors: nothing runs):
@@ -33,17 +48,72 @@ Linear in the micro-batch for these models, so the search profiles one sequence 
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from fullshard.engine.wrap import select_units
-from fullshard.planner.activations import ATTENTION, _FlashAttentionMode, meta_autocast
+from fullshard.engine.wrap import ROOT_ONLY, select_units
+
+ATTENTION = ("flash", "math")
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+
+
+class _FlashAttentionMode(TorchFunctionMode):
+    """Run fused-eligible `scaled_dot_product_attention` calls as the flash kernel."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = dict(kwargs or {})
+        if func is F.scaled_dot_product_attention:
+            bound = dict(zip(_SDPA_ARGS, args))
+            bound.update(kwargs)
+            q, k, v = bound["query"], bound["key"], bound["value"]
+            if (
+                bound.get("attn_mask") is None
+                and not bound.get("dropout_p", 0.0)
+                and not bound.get("enable_gqa", False)
+                and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
+            ):
+                out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    q, k, v, is_causal=bool(bound.get("is_causal", False)),
+                    scale=bound.get("scale"),
+                )
+                return out[0]
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def meta_autocast() -> Iterator[None]:
+    """Let a model's autocast calls through on the meta device: `torch.autocast("meta")` and
+    `torch.is_autocast_enabled("meta")` raise "unknown device type for autocast", and Hugging
+    Face's rotary embeddings (Llama, Mistral, Qwen, ...) call both with their input's device
+    type, to keep that part in float32. For the meta forward only, `torch`'s two names take
+    "meta" as "cpu" (whose autocast is off here); restored on exit."""
+    real_autocast, real_enabled = torch.autocast, torch.is_autocast_enabled
+
+    class _Autocast(real_autocast):  # type: ignore[misc, valid-type]
+        def __init__(self, device_type: str, *args: object, **kwargs: object) -> None:
+            super().__init__("cpu" if device_type == "meta" else device_type, *args, **kwargs)
+
+    def is_enabled(*args: object) -> bool:
+        if args and args[0] == "meta":
+            args = ("cpu", *args[1:])
+        return real_enabled(*args)
+
+    torch.autocast, torch.is_autocast_enabled = _Autocast, is_enabled
+    try:
+        yield
+    finally:
+        torch.autocast, torch.is_autocast_enabled = real_autocast, real_enabled
+
 
 TRANSCENDENTAL = {
     "gelu", "silu", "sigmoid", "tanh", "exp", "expm1", "log", "log1p", "erf", "erfc",
@@ -79,7 +149,7 @@ class ForwardProfile:
     batch: int
     seq: int
     units: tuple[UnitProfile, ...]
-    """Root first, then the units in module order (as `structure.ModelStructure`)."""
+    """Root first, then the units in module order (as `sizes.ModelStructure`)."""
 
     @property
     def saved_bytes(self) -> int:
@@ -90,7 +160,7 @@ class ForwardProfile:
         return sum(u.flops for u in self.units)
 
 
-class _WorkCounter(TorchDispatchMode):
+class WorkCounter(TorchDispatchMode):
     def __init__(self, current: list[int], n: int) -> None:
         super().__init__()
         self.current = current
@@ -154,8 +224,11 @@ def profile_forward(
         raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
     for name, t in (*model.named_parameters(), *model.named_buffers()):
         if not t.is_meta:
-            raise ValueError(f"The forward profile runs on the meta device, but {name!r} is on "
-                             f"{t.device}; pass a factory or a built-in config name.")
+            raise ValueError(
+                f"The activation estimate runs a meta-device forward, but {name!r} is on "
+                f"{t.device}. Pass a factory or a built-in config name (built on meta), or a "
+                f"module created under torch.device('meta')."
+            )
     if copy_model:
         model = copy.deepcopy(model)
     if compute_dtype is not None:
@@ -204,17 +277,18 @@ def profile_forward(
             inputs = model.example_input(batch, seq)
         else:
             inputs = torch.zeros(batch, seq, dtype=torch.long)
-    counter = _WorkCounter(current, len(units))
+    counter = WorkCounter(current, len(units))
+    flash = _FlashAttentionMode() if attention == "flash" else contextlib.nullcontext()
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), meta_autocast():
-            with _FlashAttentionMode() if attention == "flash" else _Null(), counter:
+            with flash, counter:
                 out = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
                 _count_loss(out, batch, seq)
     except Exception as e:
         raise ValueError(
-            f"The meta-device forward of {type(model).__name__} on token ids of shape "
-            f"({batch}, {seq}) failed: {type(e).__name__}: {e}. Give the model an "
-            f"`example_input(batch, seq)` method returning its inputs."
+            f"The activation estimate's meta-device forward of {type(model).__name__} on "
+            f"token ids of shape ({batch}, {seq}) failed: {type(e).__name__}: {e}. Give the "
+            f"model an `example_input(batch, seq)` method returning its inputs."
         ) from e
     finally:
         for h in handles:
@@ -250,9 +324,20 @@ def _count_loss(out: object, batch: int, seq: int) -> None:
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets)
 
 
-class _Null:
-    def __enter__(self) -> None:
-        return None
+def activation_bytes(
+    model: nn.Module,
+    batch: int,
+    seq: int,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    attention: str = "flash",
+    copy_model: bool = True,
+) -> int:
+    """Bytes saved for backward by one forward of `batch x seq` tokens (module docstring): the
+    total of `profile_forward` over the whole model as one unit.
 
-    def __exit__(self, *exc: object) -> None:
-        return None
+    `model` must be on the meta device; it is copied first unless `copy_model=False` (the
+    caller owns it and does not mind its dtype changing).
+    """
+    return profile_forward(model, ROOT_ONLY, batch, seq, compute_dtype=compute_dtype,
+                           attention=attention, copy_model=copy_model).saved_bytes

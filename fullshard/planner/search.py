@@ -1,5 +1,6 @@
 """The search: every configuration a user could pick, its memory and step time, and the fastest
-that fits the budget.
+that fits the budget; a configuration as data that goes straight into `fsdp(...)` /
+`FSDPStrategy(...)`.
 
 Varied (`SearchSpace`): world size; sharding strategy and mesh (FULL_SHARD, SHARD_GRAD_OP,
 NO_SHARD, HYBRID_SHARD as (world / ranks_per_node, ranks_per_node)); activation checkpointing
@@ -8,38 +9,49 @@ micro-batch, with gradient accumulation (reducing every micro-batch, or once und
 making up the per-rank batch (`global_batch / world_size`, or `batch` when no global batch is
 given).
 
-Memory per rank (`recommendation.Memory`): the exact state and working set of `estimate.py` /
-`working_set.py`; autograd's backward scratch; activations from the per-unit meta forward
-(`profile.py`), scaled to the micro-batch: a checkpointed block keeps only its input, and the
-block being recomputed holds its full activations once more in backward. With CPU offload the
-state is on the host. Under `no_sync` the unsharded gradients (compute dtype) stay between
-micro-batches. Time: `timing.py`.
+Memory per rank (`Memory`): the exact state of `sizes.py` and working set of `schedule.py`;
+autograd's backward scratch; activations from the per-unit meta forward (`profile.py`), scaled
+to the micro-batch: a checkpointed block keeps only its input, and the block being recomputed
+holds its full activations once more in backward. With CPU offload the state is on the host.
+Under `no_sync` the unsharded gradients (compute dtype) stay between micro-batches. Time:
+`timing.py`.
 
 Ranking: configurations that fit, by step time (ties: less memory); the rest are kept with the
 reason they lose (over budget, by how much and on what; or slower, by how much).
+
+`Config` is what the search varies; `Evaluated` adds its memory and time; `fsdp_kwargs()` /
+`strategy_kwargs()` turn it into keyword arguments. Checkpointing "every k-th block" is the
+policy `CheckpointEvery`, which the engine calls like any `(module, recurse,
+nonwrapped_numel)` policy.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from fullshard.config import resolve_sharding_strategy
+from torch import nn
+
+from fullshard.config import mixed_precision_for, resolve_precision, resolve_sharding_strategy
 from fullshard.engine.small_units import small_units_bytes
-from fullshard.planner.estimate import (
+from fullshard.planner.profile import ForwardProfile
+from fullshard.planner.schedule import (
+    StepTime,
+    backward_scratch_bytes,
+    simulate_step,
+    unit_costs,
+    working_set_bytes,
+)
+from fullshard.planner.sizes import (
+    ModelStructure,
     OptimizerSpec,
     PrecisionSpec,
-    _size,
     model_state_bytes,
     resolve_precision_spec,
+    size_of,
 )
-from fullshard.planner.hardware import Hardware
-from fullshard.planner.profile import ForwardProfile
-from fullshard.planner.recommendation import Config, Evaluated, Memory
-from fullshard.planner.structure import ModelStructure
-from fullshard.planner.timing import optimizer_seconds, simulate_step, unit_times
-from fullshard.planner.working_set import backward_scratch_bytes, unit_costs, working_set_bytes
+from fullshard.planner.timing import Hardware, optimizer_seconds, unit_times
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 ROOT_GATHERED_ONCE = True
@@ -47,6 +59,138 @@ ROOT_GATHERED_ONCE = True
 from its forward into backward; every other unit is gathered twice."""
 
 
+# -- a configuration and its price ---------------------------------------------------------------
+@dataclass(frozen=True)
+class CheckpointEvery:
+    """Activation checkpointing of every `every`-th module of `classes` in module order
+    (the 1st, the (1 + every)-th, ...); `every=1` is all of them."""
+
+    classes: tuple[type[nn.Module], ...]
+    every: int = 1
+    _seen: dict[int, int] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"CheckpointEvery(every=) must be an int >= 1, got {self.every!r}")
+
+    def __call__(self, module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+        if recurse:
+            return True
+        if not isinstance(module, self.classes):
+            return False
+        index = self._seen.setdefault(id(module), len(self._seen))
+        return index % self.every == 0
+
+
+@dataclass(frozen=True)
+class Config:
+    world_size: int
+    strategy: str
+    """FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD."""
+    mesh: tuple[int, int]
+    checkpoint_every: int
+    """0: no activation checkpointing; k: every k-th block (1: every block)."""
+    cpu_offload: bool
+    precision: str
+    prefetch_limit: int
+    micro_batch: int
+    accumulation: int
+    """Micro-batches per optimizer step."""
+    no_sync: bool
+    """With accumulation: reduce only on the last micro-batch (holds unsharded gradients)."""
+
+    def describe(self) -> str:
+        mesh = f" {self.mesh[0]}x{self.mesh[1]}" if self.strategy == "HYBRID_SHARD" else ""
+        ac = {0: "no AC", 1: "AC all"}.get(self.checkpoint_every,
+                                           f"AC 1/{self.checkpoint_every}")
+        accum = ""
+        if self.accumulation > 1:
+            accum = f" x{self.accumulation}" + (" no_sync" if self.no_sync else "")
+        return (f"{self.strategy}{mesh}, {ac}{', offload' if self.cpu_offload else ''}, "
+                f"{self.precision}, prefetch {self.prefetch_limit}, mb {self.micro_batch}{accum}")
+
+
+@dataclass(frozen=True)
+class Memory:
+    state: int
+    """Parameters + gradients + optimizer state on the device (0 with CPU offload)."""
+    working: int
+    scratch: int
+    activations: int
+    accumulation: int = 0
+    """no_sync: the unsharded gradients kept between micro-batches."""
+    host: int = 0
+    """CPU offload: the state in host memory."""
+
+    @property
+    def total(self) -> int:
+        return self.state + self.working + self.scratch + self.activations + self.accumulation
+
+    def largest(self) -> str:
+        parts = {"state": self.state, "working set": self.working, "activations":
+                 self.activations, "grad scratch": self.scratch,
+                 "accumulated grads": self.accumulation}
+        return max(parts, key=parts.__getitem__)
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    config: Config
+    memory: Memory
+    time: StepTime
+    fits: bool
+    unit_classes: tuple[type[nn.Module], ...] = ()
+    wrap_policy: object = None
+
+    def fsdp_kwargs(self) -> dict:
+        """Keyword arguments for `fullshard.fsdp(model, **kwargs)`. For '16-true' /
+        'bf16-true' convert the model to that dtype first (`model.to(torch.bfloat16)`); there
+        is no mixed precision to pass then."""
+        c = self.config
+        name = resolve_precision(c.precision)
+        mixed = None if name.endswith("-true") else mixed_precision_for(name)
+        out: dict = {"sharding_strategy": c.strategy, "bucketing_strategy": "BLOCK",
+                     "prefetch_limit": c.prefetch_limit, "cpu_offload": c.cpu_offload,
+                     "mixed_precision": mixed,
+                     "auto_wrap_policy": self.wrap_policy,
+                     "activation_checkpointing_policy": self._checkpoint_policy()}
+        if c.strategy == "HYBRID_SHARD":
+            out["device_mesh"] = c.mesh
+        return out
+
+    def strategy_kwargs(self) -> dict:
+        """Keyword arguments for `fullshard.FSDPStrategy(**kwargs)` (precision as a string:
+        the Lightning way, which also covers '-true' conversion)."""
+        kw = self.fsdp_kwargs()
+        kw.pop("mixed_precision")
+        kw["precision"] = self.config.precision
+        return kw
+
+    def _checkpoint_policy(self) -> object:
+        c = self.config
+        if c.checkpoint_every == 0 or not self.unit_classes:
+            return None
+        if c.checkpoint_every == 1:
+            return set(self.unit_classes)
+        return CheckpointEvery(self.unit_classes, c.checkpoint_every)
+
+    def to_dict(self) -> dict:
+        c = self.config
+        return {
+            "world_size": c.world_size, "strategy": c.strategy, "mesh": list(c.mesh),
+            "checkpoint_every": c.checkpoint_every, "cpu_offload": c.cpu_offload,
+            "precision": c.precision, "prefetch_limit": c.prefetch_limit,
+            "micro_batch": c.micro_batch, "accumulation": c.accumulation,
+            "no_sync": c.no_sync, "fits": self.fits, "description": c.describe(),
+            "memory": {"state": self.memory.state, "working": self.memory.working,
+                       "scratch": self.memory.scratch, "activations": self.memory.activations,
+                       "accumulation": self.memory.accumulation, "host": self.memory.host,
+                       "total": self.memory.total},
+            "time": self.time.to_dict(),
+        }
+
+
+# -- the search -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SearchSpace:
     strategies: tuple[str, ...] = STRATEGIES
@@ -217,7 +361,7 @@ def _evaluate(cfg: Config, structure: ModelStructure, profile: ForwardProfile,
     state_bytes = state.total  # type: ignore[attr-defined]
     accumulation = 0
     if cfg.accumulation > 1 and cfg.no_sync:
-        accumulation = sum(b.numel * _size(precision.dtypes(b)[1])
+        accumulation = sum(b.numel * size_of(precision.dtypes(b)[1])
                            for u in structure.units for b in u.buckets if b.requires_grad)
     memory = Memory(
         state=0 if cfg.cpu_offload else state_bytes, working=working, scratch=scratch,
@@ -288,8 +432,4 @@ def precision_specs(precisions: Iterable[object]) -> list[PrecisionSpec]:
     if not specs:
         raise ValueError("precision must name at least one precision")
     return list({s.name: s for s in specs}.values())
-
-
-def replace_space(space: SearchSpace, **changes: object) -> SearchSpace:
-    return dataclasses.replace(space, **changes)
 

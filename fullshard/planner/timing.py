@@ -1,4 +1,51 @@
-"""The time model: step time, tokens/s and exposed communication of one configuration.
+"""The time model: `Hardware` (what it needs to know about the machines) and what each unit's
+compute and collectives, and the optimizer step, cost on it.
+
+Fields (SI units: FLOP/s, bytes/s, seconds, bytes):
+
+    peak_flops        dense matmul peak in the training dtype (bf16/fp16 tensor cores on GPUs;
+                      `peak_flops_fp32` for fp32 models)
+    matmul_efficiency the fraction of that peak large matmuls reach (stated, not fitted)
+    mem_bandwidth     device memory bandwidth; every non-matmul op is priced as memory-bound
+    mem_efficiency    the fraction of it elementwise kernels reach
+    op_overhead       fixed seconds per kernel (launch / dispatch; on GPUs mostly hidden by
+                      asynchronous launches, on CPUs the eager dispatcher's cost)
+    attention_score_s seconds per attention score (profile.py) of a fused attention kernel,
+                      forward and backward together, beyond its FLOPs at the matmul rate: the
+                      softmax's exp, max and scaling per score and the kernel's blocking
+                      (measured by `--hardware local`; 0 in the presets, where the FLOPs
+                      dominate)
+    transcendental_s  seconds per element of a transcendental elementwise op (GELU, softmax,
+                      ...; profile.py), forward and backward together, beyond its bytes at
+                      mem_bandwidth (measured by `--hardware local`; 0 in the presets)
+    unit_overhead     fixed seconds per unit per pass for the engine's hooks and bookkeeping
+    param_overhead    fixed seconds per parameter of a unit per pass (the engine's work per
+                      parameter: views installed and removed, gradients handed out; 0 in
+                      the presets, measured by `--hardware local`)
+    regather_overhead, regather_param_overhead  the same for ZeRO-3's second gather of a unit
+                      in backward (per unit, per parameter): the engine's work beyond
+                      ZeRO-2's (measured by `--hardware local`, 0 in the presets)
+    memory            device memory (the default budget)
+    intra_bw, intra_latency  per-GPU bandwidth (one direction) and per-step latency of the
+                      links inside a node (NVLink, PCIe, or loopback; on gloo the latency is
+                      one pairwise exchange's fixed cost, see below)
+    inter_bw, inter_latency  the same between nodes (InfiniBand / RoCE / Ethernet, per GPU)
+    ranks_per_node    GPUs per node (HYBRID's default shard size; rings wider than this cross
+                      the network)
+    backend           the collective backend these links are driven by ('nccl', 'gloo')
+    host_bw           host <-> device copies (CPU offload: PCIe), host_mem_bandwidth the host
+                      memory the offloaded optimizer step streams through
+    optimizer_tensor_s, optimizer_byte_s  a measured optimizer step (`--hardware local` times
+                      torch's AdamW): seconds per parameter tensor and per byte of shard; 0
+                      (the presets): priced from mem_bandwidth and op_overhead instead
+    overlap           fraction of communication that can run while compute runs (1.0 on GPUs,
+                      where collectives have their own streams and copy engines; lower on CPUs,
+                      where gloo's threads share the cores with compute)
+    drift_per_s, drift_max  how far ranks that share cores drift apart while they compute:
+                      an exchange starts `min(drift_max, drift_per_s * c)` after it was
+                      issued, `c` the compute since the ranks last waited together (the first
+                      to arrive waits for the last; schedule.py). Measured by
+                      `--hardware local`; 0 in the presets (a rank per GPU does not drift)
 
 Compute, per unit and pass, from the forward profile (`profile.py`, scaled to the micro-batch):
 
@@ -31,56 +78,101 @@ round, sending `B * (n - 1) / n` (the reduce-scatter too: no all-reduce undernea
 
     all-gather / reduce-scatter   messages * alpha + B * (n - 1) / n / bw
 
-with `alpha` one exchange's fixed cost at this `n` (what `measure.py` times: a small
+with `alpha` one exchange's fixed cost at this `n` (what `hardware.py` measures: a small
 all-gather through the engine's own path) and `messages` per peer: 1 for an exchange within
 `comm.COALESCE_BYTES` per rank (packed), else one per piece above `SMALL_PIECE_BYTES`, one
 for the small pieces and one for the header (the engine checks every unit's first bucket).
-Small units travel together (hooks.py, the note on small units): units of `u` bytes per rank
-share one exchange `floor(SMALL_UNITS_BYTES / u)` at a time, so each pays that fraction of
-`alpha`.
+Small units travel together (see [Note: small units travel together] in engine/small_units.py):
+units of `u` bytes per rank share one exchange `floor(SMALL_UNITS_BYTES / u)` at a time, so each
+pays that fraction of `alpha`.
 
 The engine's own copies, on the compute side (memory-bound, at `mem_bandwidth`): a gather
 copies the rank's own shard into the unsharded buffer (read + write `L`); gloo's
 reduce-scatter sums the `n` received chunks of the rank's shard (reads `n * L`, writes `L`).
 
-Schedule: a replay of `engine/hooks.py` on two timelines, compute and one FIFO communication
-queue. Forward: the root's pre-hook issues its gather and prefetches the next `prefetch` units;
-each unit's pre-hook tops the window up and waits for its own gather. Backward (ZeRO-3): the
-root stays gathered from its forward (the default `reshard_after_forward=None`; a root that
-reshards is gathered again first), each block is gathered again with the same prefetch window;
-a unit's reduce-scatter (and HYBRID all-reduce) is queued when its backward is done, and with
-more than `max_pending_reductions` in flight compute waits for the oldest. The root's gradients
-complete last (the embedding is the first op of forward), so its reduction is exposed. Then the
-optimizer step (`optimizer_seconds`).
-
-Ranks that share cores (more ranks than cores, or a loaded machine) drift apart while they
-compute, and an exchange completes only when the last of them reaches it: each exchange
-starts `min(drift_max, drift_per_s * c)` after it was issued, `c` the compute since the ranks
-last waited together (the last exchange compute waited for; at the start, the optimizer step),
-or when the queue is free, whichever is later; small units that travel together pay their
-share of it, as of the latency. Behind a large unit's compute or a busy queue the drift is
-hidden; small units wait for it (`benchmarks/sync_cost.py`: 3 ranks on 2 cores
-drift 3 ms in 9 ms of compute, 11 ms in 38).
-
-Compute waits are the *exposed* communication. On CPUs the hidden part still costs
-`(1 - overlap)` of its time (gloo's threads take cores from compute). Gradient accumulation over
-`M` micro-batches either reduces every micro-batch or, under `no_sync`, only the last one (the
-earlier ones gather but do not reduce).
+The step itself (the order of these costs on a compute and a communication timeline, the
+optimizer step, the drift between ranks) is `schedule.simulate_step`'s.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 
 from fullshard.distributed import comm
 from fullshard.distributed.pairwise import SMALL_PIECE_BYTES
 from fullshard.engine.small_units import small_units_bytes
-from fullshard.planner.estimate import PrecisionSpec, _size
-from fullshard.planner.hardware import Hardware
 from fullshard.planner.profile import ForwardProfile
-from fullshard.planner.structure import BucketSpec, ModelStructure
+from fullshard.planner.sizes import BucketShape, ModelStructure, PrecisionSpec, size_of
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops: float
+    peak_flops_fp32: float
+    matmul_efficiency: float
+    mem_bandwidth: float
+    memory: int
+    intra_bw: float
+    intra_latency: float
+    inter_bw: float
+    inter_latency: float
+    ranks_per_node: int = 8
+    mem_efficiency: float = 0.7
+    op_overhead: float = 0.0
+    attention_score_s: float = 0.0
+    transcendental_s: float = 0.0
+    unit_overhead: float = 0.0
+    param_overhead: float = 0.0
+    regather_overhead: float = 0.0
+    regather_param_overhead: float = 0.0
+    overlap: float = 1.0
+    drift_per_s: float = 0.0
+    drift_max: float = 0.0
+    backend: str = "nccl"
+    host_bw: float = 25e9
+    host_mem_bandwidth: float = 100e9
+    optimizer_tensor_s: float = 0.0
+    optimizer_byte_s: float = 0.0
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, float | int) and not isinstance(v, bool) and v < 0:
+                raise ValueError(f"Hardware field {f.name} must be >= 0, got {v!r}")
+        if self.ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
+        if not 0.0 <= self.overlap <= 1.0:
+            raise ValueError(f"overlap must be in [0, 1], got {self.overlap}")
+
+    def flops_rate(self, dtype: torch.dtype) -> float:
+        """Achievable matmul FLOP/s for a compute dtype."""
+        peak = self.peak_flops_fp32 if dtype == torch.float32 else self.peak_flops
+        return peak * self.matmul_efficiency
+
+    def link(self, ranks: int, spans_nodes: bool, *, one_per_node: bool = False
+             ) -> tuple[float, float]:
+        """(bandwidth per rank, latency per step) of a ring over `ranks`.
+
+        Inside a node: NVLink. A ring over whole nodes (FULL_SHARD over 64 ranks) runs as
+        `ranks_per_node` rings at once, one per NIC (NCCL's multi-ring layout): each chunk
+        enters a node once, through one of its NICs, and travels inside over NVLink, so a
+        rank's effective bandwidth is `ranks_per_node * inter_bw`, capped by NVLink. A ring
+        of one rank per node (HYBRID's replicate axis) has only its own NIC: `inter_bw`.
+        """
+        if not spans_nodes:
+            return self.intra_bw, self.intra_latency
+        if one_per_node:
+            return self.inter_bw, self.inter_latency
+        return min(self.intra_bw, self.ranks_per_node * self.inter_bw), self.inter_latency
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
 
 OPTIMIZER_KERNELS_PER_TENSOR = 12
 """Kernels torch's single-tensor AdamW runs per parameter (step count, two moment updates,
@@ -109,33 +201,6 @@ class UnitTimes:
     the part of an exchange's fixed costs, latency and drift, it pays."""
 
 
-@dataclass(frozen=True)
-class StepTime:
-    step: float
-    """Seconds per optimizer step (all micro-batches)."""
-    compute: float
-    comm: float
-    """Communication time per step, hidden or not."""
-    exposed: float
-    """Communication compute waited for (plus the CPU cost of the hidden part)."""
-    optimizer: float
-    tokens_per_step: int
-    first_gather: float = 0.0
-    last_reduce: float = 0.0
-    starved_units: list[str] = field(default_factory=list)
-    """Units whose gather takes longer than the compute it hides behind."""
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens_per_step / self.step if self.step > 0 else float("inf")
-
-    def to_dict(self) -> dict:
-        return {"step_s": self.step, "compute_s": self.compute, "comm_s": self.comm,
-                "exposed_comm_s": self.exposed, "optimizer_s": self.optimizer,
-                "tokens_per_s": self.tokens_per_s, "first_gather_s": self.first_gather,
-                "last_reduce_s": self.last_reduce, "starved_units": list(self.starved_units)}
-
-
 def _ring(nbytes: float, n: int, bw: float, alpha: float, *, all_reduce: bool = False) -> float:
     if n <= 1 or nbytes <= 0:
         return 0.0
@@ -150,7 +215,7 @@ def _exchange(nbytes: float, n: int, bw: float, alpha: float, messages: float) -
     return messages * alpha + nbytes * (n - 1) / n / bw
 
 
-def _messages(bucket: BucketSpec, shard: int, element_size: int) -> int:
+def _messages(bucket: BucketShape, shard: int, element_size: int) -> int:
     """Messages per peer of one pairwise exchange of `bucket` (comm._small, pairwise's pieces)."""
     pieces = [_piece_numel(s, shard) * element_size for s in bucket.shapes]
     if sum(pieces) <= comm.COALESCE_BYTES:
@@ -161,7 +226,7 @@ def _messages(bucket: BucketSpec, shard: int, element_size: int) -> int:
 
 def _piece_numel(shape: torch.Size, shard: int) -> int:
     """One parameter's padded shard: the piece pairwise.py sends it as."""
-    return BucketSpec((shape,), torch.float32, False).padded_shard_numel(shard)
+    return BucketShape((shape,), torch.float32, False).padded_shard_numel(shard)
 
 
 def unit_times(
@@ -205,7 +270,7 @@ def unit_times(
         fwd = work + prof.ops * hardware.op_overhead + fixed
         bwd = 2 * work + 2 * prof.ops * hardware.op_overhead + fixed
         # Small units share an exchange (module docstring): the fraction of alpha each pays.
-        per_rank = sum(b.padded_shard_numel(shard) * _size(precision.dtypes(b)[1])
+        per_rank = sum(b.padded_shard_numel(shard) * size_of(precision.dtypes(b)[1])
                        for b in unit.buckets)
         share = 1.0
         if together and 0 < per_rank <= together:
@@ -216,29 +281,29 @@ def unit_times(
             master, compute, red = precision.dtypes(b)
             flat = b.padded_shard_numel(shard)
             if cpu_offload:  # the shard comes from the host for each gather
-                gather += flat * _size(master) / hardware.host_bw
+                gather += flat * size_of(master) / hardware.host_bw
             if shard > 1:
-                nbytes = shard * flat * _size(compute)
-                gather_copy += 2 * flat * _size(compute) / mem
+                nbytes = shard * flat * size_of(compute)
+                gather_copy += 2 * flat * size_of(compute) / mem
                 if pairwise:
-                    msgs = share * _messages(b, shard, _size(compute))
+                    msgs = share * _messages(b, shard, size_of(compute))
                     gather += _exchange(nbytes, shard, shard_bw, shard_alpha, msgs)
                 else:
                     gather += _ring(nbytes, shard, shard_bw, shard_alpha)
             if not b.requires_grad:
                 continue
             if shard > 1:
-                nbytes = shard * flat * _size(red)
+                nbytes = shard * flat * size_of(red)
                 if pairwise:
-                    msgs = share * _messages(b, shard, _size(red))
+                    msgs = share * _messages(b, shard, size_of(red))
                     reduce += _exchange(nbytes, shard, shard_bw, shard_alpha, msgs)
-                    reduce_sum += (shard + 1) * flat * _size(red) / mem
+                    reduce_sum += (shard + 1) * flat * size_of(red) / mem
                 else:
                     reduce += _ring(nbytes, shard, shard_bw, shard_alpha)
             if replicate > 1:
-                reduce += _ring(flat * _size(red), replicate, rep_bw, rep_alpha, all_reduce=True)
+                reduce += _ring(flat * size_of(red), replicate, rep_bw, rep_alpha, all_reduce=True)
             if cpu_offload:
-                reduce += flat * _size(master) / hardware.host_bw
+                reduce += flat * size_of(master) / hardware.host_bw
         # ZeRO-3's second gather copies again in backward; not counted (one pass over L).
         fwd += gather_copy
         bwd += reduce_sum
@@ -265,7 +330,7 @@ def optimizer_seconds(structure: ModelStructure, shard: int, precision: Precisio
     for unit in structure.units:
         for b in unit.buckets:
             if b.requires_grad:
-                nbytes += b.padded_shard_numel(shard) * _size(precision.dtypes(b)[0])
+                nbytes += b.padded_shard_numel(shard) * size_of(precision.dtypes(b)[0])
     if hardware.optimizer_tensor_s or hardware.optimizer_byte_s:
         scale = OPTIMIZER_PASSES.get(states, 20) / OPTIMIZER_PASSES[2]  # measured on AdamW
         return (structure.trainable_tensors * hardware.optimizer_tensor_s
@@ -275,133 +340,3 @@ def optimizer_seconds(structure: ModelStructure, shard: int, precision: Precisio
     per_tensor = OPTIMIZER_KERNELS_PER_TENSOR if hardware.backend == "gloo" or cpu_offload else 1
     launches = structure.trainable_tensors * per_tensor * hardware.op_overhead
     return nbytes * per_element / bw + launches
-
-
-class _Queue:
-    """One FIFO communication queue: a collective starts when issued and the previous is done."""
-
-    def __init__(self) -> None:
-        self.free = 0.0
-        self.busy = 0.0
-
-    def issue(self, at: float, duration: float) -> float:
-        start = max(self.free, at)
-        self.free = start + duration
-        self.busy += duration
-        return self.free
-
-
-def simulate_step(
-    times: list[UnitTimes],
-    *,
-    zero3: bool,
-    root_regathered: bool = False,
-    prefetch: int = 1,
-    max_pending_reductions: int = 2,
-    micro_batches: int = 1,
-    no_sync: bool = True,
-    optimizer: float = 0.0,
-    overlap: float = 1.0,
-    drift: tuple[float, float] = (0.0, 0.0),
-    tokens_per_micro_batch: int = 0,
-    names: list[str] | None = None,
-) -> StepTime:
-    """Replay one optimizer step (module docstring) and return its timing. `drift`:
-    (drift_per_s, drift_max) of the hardware."""
-    q = _Queue()
-    t = 0.0
-    compute = 0.0
-    waited = 0.0  # compute waiting for exchanges, drift included
-    waited_on_queue = 0.0  # the part of it spent on the exchanges' own time (not hidden)
-    drift_per_s, drift_max = drift
-    met = -optimizer  # when the ranks last waited together: the previous step's last reduction
-
-    def done(at: float, duration: float, share: float) -> tuple[float, float]:
-        """(when an exchange issued at `at` completes, its time on the queue): it starts once
-        the last rank has reached it, `at` plus the drift since the ranks last met (a small
-        unit's `share` of it: one drift per exchange), and the queue is free (so behind a
-        busy queue the drift costs nothing)."""
-        late = share * min(drift_max, drift_per_s * max(at - met, 0.0))
-        return q.issue(at + late, duration), duration
-
-    def block(exchange: tuple[float, float]) -> None:
-        """Compute waits for an exchange: the ranks meet when it completes."""
-        nonlocal t, waited, waited_on_queue, met
-        until, duration = exchange
-        if until > t:
-            waited += until - t
-            waited_on_queue += min(until - t, duration)
-            t = met = until
-
-    first_gather = times[0].gather if times else 0.0
-    starved: set[int] = set()
-    last_reduce = 0.0
-    n = len(times)
-    blocks = list(range(1, n))
-    gathered_until: dict[int, tuple[float, float]] = {}  # unit -> done() of its gather
-
-    def issue(j: int, at: float) -> None:
-        if j not in gathered_until:
-            gathered_until[j] = done(at, times[j].gather, times[j].share)
-
-    def wait(j: int) -> None:
-        if gathered_until[j][0] > t and j != 0:
-            starved.add(j)
-        block(gathered_until[j])
-
-    for m in range(micro_batches):
-        reduce_now = m == micro_batches - 1 or not no_sync
-        gathered_until.clear()  # every unit is sharded between micro-batches
-
-        # -- forward: root, blocks in order, the root's head last -----------------------------
-        order = [0, *blocks]
-        for k, i in enumerate(order):
-            issue(i, t)
-            for j in order[k + 1 : k + 1 + prefetch]:
-                issue(j, t)
-            wait(i)
-            if i != 0:
-                t += times[i].forward
-                compute += times[i].forward
-                if zero3:
-                    del gathered_until[i]
-        t += times[0].forward
-        compute += times[0].forward
-        # -- backward: root's head, blocks reversed, root's embedding -------------------------
-        pending: list[tuple[float, float]] = []
-        if zero3 and root_regathered:
-            gathered_until.pop(0, None)
-        border = [0, *reversed(blocks)]
-        for k, i in enumerate(border):
-            # ZeRO-2 / NO_SHARD / the kept root: still gathered, nothing is issued.
-            issue(i, t)
-            for j in border[k + 1 : k + 1 + prefetch]:
-                issue(j, t)
-            wait(i)
-            if i == 0:
-                continue  # the root's backward finishes last, below
-            work = times[i].backward + times[i].recompute + (times[i].regather if zero3 else 0.0)
-            t += work
-            compute += work
-            if reduce_now:
-                while len(pending) >= max_pending_reductions + 1:
-                    block(pending.pop(0))
-                pending.append(done(t, times[i].reduce, times[i].share))
-        work = times[0].backward + times[0].recompute
-        if zero3 and root_regathered:
-            work += times[0].regather
-        t += work
-        compute += work
-        if reduce_now:
-            last_reduce = times[0].reduce
-            block(done(t, times[0].reduce, times[0].share))
-        if pending:  # the drift can end an earlier reduction after the root's
-            block(max(pending))  # tuples: by completion
-        t = max(t, q.free)
-    hidden = max(0.0, q.busy - waited_on_queue)
-    exposed = waited + (1.0 - overlap) * hidden
-    step = t + (1.0 - overlap) * hidden + optimizer
-    labels = names or [str(i) for i in range(n)]
-    return StepTime(step, compute, q.busy, exposed, optimizer,
-                    tokens_per_micro_batch * micro_batches, first_gather, last_reduce,
-                    [labels[i] for i in sorted(starved)])

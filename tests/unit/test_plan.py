@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import time
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from torch import nn
 
 import fullshard
 from fullshard.cli import main
+from fullshard.demo.config import build_demo_model
 from fullshard.planner import parse_bytes
 from fullshard.planner.models import LlamaConfig
 
@@ -24,21 +24,19 @@ TENSORS_7B = 32 * 9 + 3  # per block: 7 Linear weights + 2 RMSNorm weights; root
 
 @pytest.fixture(scope="module")
 def llama7b():
-    t0 = time.perf_counter()
-    table = fullshard.plan("llama-7b", world_sizes=(1, 2, 4, 8, 16))
-    return table, time.perf_counter() - t0
+    return fullshard.plan("llama-7b", world_sizes=(1, 2, 4, 8, 16))
 
 
 # -- model state ---------------------------------------------------------------------------------
-def test_llama_7b_plans_in_seconds(llama7b):
-    table, seconds = llama7b
-    assert seconds < 10, f"planning llama-7b took {seconds:.1f}s"
+def test_llama_7b_is_planned_from_its_shapes(llama7b):
+    # How long planning takes is benchmarks/plan_accuracy.py --planning-time's (issue 40).
+    table = llama7b
     assert table.num_params == PSI_7B == LlamaConfig().num_params
     assert table.units == "root + 32 x LlamaBlock"
 
 
 def test_full_shard_8_ranks_adamw_fp32_holds_16_psi_over_8(llama7b):
-    table, _ = llama7b
+    table = llama7b
     row = table.row(8, "FULL_SHARD")
     # Every dim of this config (4096, 11008, 32000) divides by 8: no padding. AdamW keeps
     # exp_avg and exp_avg_sq (fp32) and a 4-byte fp32 step tensor per parameter tensor.
@@ -78,7 +76,7 @@ def test_precision_and_optimizer_change_the_bytes():
 
 # -- communication and working set --------------------------------------------------------------
 def test_communication_follows_the_zero_formulas(llama7b):
-    table, _ = llama7b
+    table = llama7b
     n, words = 8, PSI_7B * 7 / 8
     # ZeRO-3 gathers the root (embed_tokens and lm_head, 32000 x 4096 each, and the final
     # norm) once: it stays gathered from its forward into backward.
@@ -96,7 +94,7 @@ def test_communication_follows_the_zero_formulas(llama7b):
 
 
 def test_strategies_order_memory_and_communication(llama7b):
-    table, _ = llama7b
+    table = llama7b
     for n in (2, 4, 8, 16):
         rows = [r for r in table.rows if r.world_size == n]
         assert [r.strategy for r in rows] == [
@@ -116,7 +114,7 @@ def test_strategies_order_memory_and_communication(llama7b):
 
 
 def test_working_set_zero3_holds_root_and_two_blocks(llama7b):
-    table, _ = llama7b
+    table = llama7b
     f32, d, f, v = 4, 4096, 11008, 32000
     block = (4 * d * d + 3 * d * f + 2 * d) * f32
     root = (2 * v * d + d) * f32
@@ -158,6 +156,56 @@ def test_budget_marks_fits_and_recommends_the_cheapest_that_fits():
     assert "nothing fits" in nothing.render()
 
 
+def test_under_the_table_a_world_size_the_search_makes_fit_is_not_called_nothing_fits():
+    """Issue 39: no plain row at N=2 fits 16 MiB, but the search below finds a configuration
+    there (checkpointing, offload): the line under the table says it fits only with that."""
+    table = fullshard.plan("demo", world_sizes=(2,), batch=16, seq=64, budget="16MiB",
+                           hardware="l40s", backend="gloo")
+    assert all(r.fits is False for r in table if r.applicable)
+    best = table.search.best_at(2)
+    assert best is not None and best.fits
+    text = table.render()
+    assert "nothing fits" not in text
+    assert (f"N=2: no row fits as is; it fits only with what the search adds: "
+            f"{best.config.describe()} (below).") in text.splitlines()
+    # Without a search, or where the search finds nothing either, it is still "nothing fits".
+    plain = fullshard.plan("demo", world_sizes=(2,), batch=16, seq=64, budget="16MiB",
+                           search=False)
+    assert "N=2: nothing fits." in plain.render().splitlines()
+    hopeless = fullshard.plan("demo", world_sizes=(2,), batch=16, seq=64, budget="1MiB",
+                              hardware="l40s", backend="gloo")
+    assert hopeless.search.best is None
+    assert "N=2: nothing fits." in hopeless.render().splitlines()
+
+
+def test_buckets_and_their_dtypes_are_the_engines_own():
+    """The planner reads the units and buckets through `engine.sharding.unit_specs`, what
+    `shard_module` builds from: under mixed precision a full-precision module's parameters
+    (BatchNorm) get a bucket of their own, gathered and reduced in fp32."""
+    from fullshard.config import FSDPBucketingStrategy
+    from fullshard.engine.sharding import unit_specs
+    from fullshard.planner.sizes import model_structure, resolve_precision_spec
+    from fullshard.testing.models import ConvBNNet
+
+    precision = resolve_precision_spec("bf16-mixed")
+    with torch.device("meta"):
+        model = ConvBNNet()
+    for bucketing in FSDPBucketingStrategy:
+        engine = unit_specs(model, "root", bucketing, precision.mixed)
+        planned = model_structure(model, "root", bucketing, mixed_precision=precision.mixed)
+        assert [[tuple(o.current.shape for o in b.params) for b in u.buckets] for u in engine] \
+            == [[b.shapes for b in u.buckets] for u in planned.units]
+        for spec, shape in zip(engine[0].buckets, planned.units[0].buckets):
+            master, compute, reduce = precision.dtypes(shape)
+            assert compute == (spec.compute_dtype or spec.dtype)
+            assert reduce == (spec.reduce_dtype or compute)
+    full = [b for b in planned.units[0].buckets if b.full_precision]
+    assert [b.shapes for b in full] == [(torch.Size([5]), torch.Size([5]))]  # bn weight, bias
+    assert precision.dtypes(full[0])[1:] == (torch.float32, torch.float32)
+    assert {precision.dtypes(b)[1] for b in planned.units[0].buckets if not b.full_precision} \
+        == {torch.bfloat16}
+
+
 def test_no_budget_means_fits_unknown():
     table = fullshard.plan("tiny", world_sizes=(2,))
     assert all(r.fits is None for r in table.rows)
@@ -165,7 +213,7 @@ def test_no_budget_means_fits_unknown():
 
 
 def test_to_dict_is_json_data(llama7b):
-    table, _ = llama7b
+    table = llama7b
     d = json.loads(json.dumps(table.to_dict()))
     assert d["num_params"] == PSI_7B and len(d["rows"]) == len(table.rows)
     first = d["rows"][0]
@@ -241,17 +289,13 @@ def test_factory_path_callable_and_module_instance():
 
 @pytest.fixture(scope="module")
 def llama70b():
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    table = fullshard.plan("llama-70b", world_sizes=(8, 16, 64), precision="bf16-mixed",
-                           batch=1, seq=4096, budget="80GiB")
-    return table, time.process_time() - cpu0, time.perf_counter() - t0
+    return fullshard.plan("llama-70b", world_sizes=(8, 16, 64), precision="bf16-mixed",
+                          batch=1, seq=4096, budget="80GiB")
 
 
-def test_llama_70b_plans_in_seconds(llama70b):
-    table, cpu, wall = llama70b
-    # Issue 23: under 10 s of this process's time (the wall clock also counts the load
-    # of a shared machine, hence the looser bound on it).
-    assert cpu < 10 and wall < 30
+def test_llama_70b_needs_checkpointing_at_80gib(llama70b):
+    # Issue 23's bound on planning time is benchmarks/plan_accuracy.py --planning-time's.
+    table = llama70b
     assert 68e9 < table.num_params < 70e9
     assert table.row(8, "NO_SHARD").fits is False
     # Without checkpointing nothing fits (activations alone are 146 GiB per rank) ...
@@ -365,7 +409,7 @@ def test_cli_bad_inputs_exit_with_a_message(argv, message, capsys):
 
 # -- the search, the time model, hardware --------------------------------------------------------
 def test_checkpointing_keeps_only_block_inputs():
-    from fullshard.planner.model_spec import resolve_model
+    from fullshard.planner.models import resolve_model
     from fullshard.planner.profile import profile_forward
     from fullshard.planner.search import _checkpointed, activation_bytes_with
 
@@ -392,10 +436,10 @@ def test_checkpointing_keeps_only_block_inputs():
 
 def test_checkpoint_every_policy_picks_what_the_search_priced():
     from fullshard.engine.checkpointing import _checkpointed_modules
-    from fullshard.planner.recommendation import CheckpointEvery
+    from fullshard.planner.search import CheckpointEvery
     from fullshard.testing.models import Block
 
-    model = fullshard.planner.build_demo_model(layers=5)
+    model = build_demo_model(layers=5)
     numel = {id(p): p.numel() for p in model.parameters()}
     chosen = _checkpointed_modules(model, CheckpointEvery((Block,), 2), numel)
     assert chosen == [model.blocks[0], model.blocks[2], model.blocks[4]]
@@ -431,7 +475,8 @@ def test_search_accumulates_to_the_global_batch_and_ranks_by_time():
 
 
 def test_time_model_schedule():
-    from fullshard.planner.timing import UnitTimes, simulate_step
+    from fullshard.planner.schedule import simulate_step
+    from fullshard.planner.timing import UnitTimes
 
     # A root and 4 blocks; a gather takes 3, a block's forward 2 / backward 4.
     times = [UnitTimes(1.0, 2.0, 0.0, 3.0, 1.0)] + [UnitTimes(2.0, 4.0, 0.0, 3.0, 3.0)] * 4
@@ -460,7 +505,8 @@ def test_time_model_drift_between_ranks():
     """Ranks that share cores drift apart while they compute: an exchange starts when the last
     of them reaches it. Small units wait for that; a large unit's compute or a busy queue hides
     it; a drift of 0 changes nothing."""
-    from fullshard.planner.timing import UnitTimes, simulate_step
+    from fullshard.planner.schedule import simulate_step
+    from fullshard.planner.timing import UnitTimes
 
     drift = (0.5, 2.0)  # half a second per second of compute, at most 2
 
@@ -499,14 +545,13 @@ def test_time_model_drift_between_ranks():
 
 def _gloo_times(world: int, hardware, *, dim: int = 64):
     """unit_times of a 2-block model on `world` gloo ranks (FULL_SHARD), one sequence."""
-    from fullshard.planner.estimate import resolve_precision_spec
-    from fullshard.planner.model_spec import resolve_model
+    from fullshard.planner.models import resolve_model
     from fullshard.planner.profile import profile_forward
-    from fullshard.planner.structure import model_structure
+    from fullshard.planner.sizes import model_structure, resolve_precision_spec
     from fullshard.planner.timing import unit_times
     from fullshard.testing.models import Block
 
-    resolved = resolve_model(lambda: fullshard.planner.build_demo_model(layers=2, dim=dim),
+    resolved = resolve_model(lambda: build_demo_model(layers=2, dim=dim),
                              auto_wrap_policy={Block})
     structure = model_structure(resolved.module, resolved.policy,
                                 fullshard.config.FSDPBucketingStrategy.BLOCK)
@@ -519,7 +564,7 @@ def test_gloo_exchanges_are_one_round_and_the_reduce_scatter_sends_once():
     """Gloo's all-gather and reduce-scatter are pairwise exchanges (distributed/pairwise.py):
     one round to all peers, the reduce-scatter sending B (N-1)/N like the all-gather -- not a
     ring's N-1 latencies nor gloo's own reduce-scatter (an all-reduce, twice the bytes)."""
-    from fullshard.planner.hardware import Hardware
+    from fullshard.planner.timing import Hardware
 
     slow_link = Hardware("t", 1e12, 1e12, 1.0, 1e12, 2**34, intra_bw=1e6, intra_latency=0.0,
                          inter_bw=1e6, inter_latency=0.0, ranks_per_node=64, backend="gloo")
@@ -541,9 +586,8 @@ def test_gloo_exchanges_are_one_round_and_the_reduce_scatter_sends_once():
 def test_measured_optimizer_and_engine_costs_are_priced():
     """`--hardware local` measures AdamW's step (per tensor, per byte) and the engine's cost
     per unit and per parameter; the time model charges exactly those."""
-    from fullshard.planner.estimate import resolve_precision_spec
-    from fullshard.planner.hardware import Hardware
-    from fullshard.planner.timing import optimizer_seconds
+    from fullshard.planner.sizes import resolve_precision_spec
+    from fullshard.planner.timing import Hardware, optimizer_seconds
 
     base = Hardware("t", 1e18, 1e18, 1.0, 1e18, 2**34, intra_bw=1e18, intra_latency=0.0,
                     inter_bw=1e18, inter_latency=0.0, ranks_per_node=64, backend="gloo")
@@ -561,7 +605,7 @@ def test_measured_optimizer_and_engine_costs_are_priced():
         assert b.forward - a.forward == pytest.approx(1e-3 + params * 1e-4)
         assert b.backward - a.backward == pytest.approx(1e-3 + params * 1e-4)
     # ZeRO-3's second gather in backward costs the engine more work; ZeRO-2 does not pay it.
-    from fullshard.planner.timing import simulate_step
+    from fullshard.planner.schedule import simulate_step
 
     regather = dataclasses.replace(base, regather_overhead=2e-3, regather_param_overhead=1e-4)
     _, again = _gloo_times(2, regather)
@@ -577,9 +621,9 @@ def test_attention_scores_and_transcendental_elements_are_priced():
     """Fused attention's softmax per score and GELU / softmax per element run far below the
     matmul and copy rates on CPUs; `--hardware local` measures both (forward + backward) and
     the time model charges a third in forward, the rest in backward."""
-    from fullshard.planner.hardware import Hardware
-    from fullshard.planner.model_spec import resolve_model
+    from fullshard.planner.models import resolve_model
     from fullshard.planner.profile import profile_forward
+    from fullshard.planner.timing import Hardware
     from fullshard.testing.models import Block
 
     base = Hardware("t", 1e18, 1e18, 1.0, 1e18, 2**34, intra_bw=1e18, intra_latency=0.0,
@@ -587,7 +631,7 @@ def test_attention_scores_and_transcendental_elements_are_priced():
     _, free = _gloo_times(2, base)
     _, costly = _gloo_times(2, dataclasses.replace(base, attention_score_s=2e-8,
                                                    transcendental_s=3e-9))
-    small = resolve_model(lambda: fullshard.planner.build_demo_model(layers=2, dim=64),
+    small = resolve_model(lambda: build_demo_model(layers=2, dim=64),
                           auto_wrap_policy={Block})
     prof = profile_forward(small.module, small.policy, 1, 16)  # as _gloo_times
     # 4 heads, 16 tokens, causal: half the 4 x 16 x 16 scores; GELU over 16 x 256 elements;
@@ -631,7 +675,8 @@ def test_the_loss_over_the_logits_is_priced_as_the_roots_work():
 
 
 def test_hardware_presets_files_and_errors(tmp_path):
-    from fullshard.planner.hardware import PRESETS, Hardware, resolve_hardware
+    from fullshard.planner.hardware import PRESETS, resolve_hardware
+    from fullshard.planner.timing import Hardware
 
     h100 = resolve_hardware("H100-SXM")
     assert h100.peak_flops == 989e12 and h100.intra_bw == 450e9 and h100.inter_bw == 50e9
@@ -661,9 +706,9 @@ def test_hardware_presets_files_and_errors(tmp_path):
 
 
 def test_recommendation_kwargs_build_fsdp_and_strategy(llama70b):
-    from fullshard.planner.recommendation import CheckpointEvery
+    from fullshard.planner.search import CheckpointEvery
 
-    table = llama70b[0]
+    table = llama70b
     kw = table.recommendation.fsdp_kwargs()
     assert kw["sharding_strategy"] == "FULL_SHARD" and kw["bucketing_strategy"] == "BLOCK"
     assert kw["mixed_precision"].param_dtype == torch.bfloat16

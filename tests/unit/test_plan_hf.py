@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fullshard
-from fullshard.planner.activations import activation_bytes
+from fullshard.planner.profile import activation_bytes
 
 transformers = pytest.importorskip("transformers")
 

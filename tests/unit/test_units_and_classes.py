@@ -20,7 +20,7 @@ from torch import nn
 
 import fullshard
 from fullshard.engine.wrap import choose_units
-from fullshard.planner.structure import model_structure
+from fullshard.planner.sizes import model_structure
 from fullshard.testing.models import Block, ConvBNNet, OddMLP, TinyGPT
 
 
