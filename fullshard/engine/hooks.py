@@ -93,6 +93,7 @@ from fullshard.engine.bucket import Bucket, PendingReduction, issue_reductions
 from fullshard.engine.precision import cast_floating
 from fullshard.engine.saved_params import SavedParams
 from fullshard.engine.small_units import gather_batch_bytes, reduce_batch_bytes
+from fullshard.engine.thunder_refusal import refuse_thunder_trace
 from fullshard.engine.unit import BackwardDone, Unit, UnitState
 
 
@@ -296,6 +297,7 @@ class Runtime:
         self.forward_order = []
 
     def _begin_forward(self) -> None:
+        refuse_thunder_trace()  # thunder.jit(fsdp(model)): one sys.modules lookup
         self._forward_exc = id(sys.exc_info()[1])
         if self.callback_task is not None:
             self._discard_step()  # the last backward raised
