@@ -181,6 +181,7 @@ class Runtime:
 
     # -- forward ----------------------------------------------------------------------------
     def pre_forward(self, unit: Unit, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+        refuse_thunder_trace(unit.name)  # thunder.jit of the model or a unit: a dict lookup
         recomputing = _in_backward()
         if unit is self.root and not recomputing:
             self._begin_forward()
@@ -297,7 +298,6 @@ class Runtime:
         self.forward_order = []
 
     def _begin_forward(self) -> None:
-        refuse_thunder_trace()  # thunder.jit(fsdp(model)): one sys.modules lookup
         self._forward_exc = id(sys.exc_info()[1])
         if self.callback_task is not None:
             self._discard_step()  # the last backward raised

@@ -2,25 +2,27 @@
 
 `thunder.jit(module)` traces the module's whole forward -- its hooks included -- into one
 functional program whose inputs are the parameters thunder collected when it was jitted
-(`ThunderModule._overrides_parameters`). fullshard works the other way: hooks that, at run
-time, put each unit's gathered parameters in place of its shards, and autograd Functions that
-reduce the gradients unit by unit. So, as found with lightning-thunder 0.2.6 on torch 2.9.1:
+(`ThunderModule._overrides_parameters`); later calls run that program, and the module's hooks
+do not run again (a forward pre-hook on a jitted `nn.Linear` ran once in three calls). fullshard
+works the other way: at every forward, hooks put each unit's gathered parameters in place of
+its shards, and autograd Functions reduce the gradients unit by unit. So, as found with
+lightning-thunder 0.2.6 on torch 2.9.1 (2 gloo ranks):
 
 - `fsdp(thunder.jit(model))`: thunder keeps reading the original, unsharded parameters (the
-  optimizer would get those, and they never receive a gradient), and the engine's hooks are
-  interpreted by thunder's tracer at the first forward, where they fail deep in the engine.
-- `thunder.jit(fsdp(model))`: thunder interprets the engine's hooks (collectives, storage
-  pointers, parameter swaps) while tracing; they fail there, or, with the whole model one
-  unit, the trace keeps no trace of them and the model trains nothing.
+  optimizer would get those, and they never receive a gradient), and the engine's hooks fail
+  inside thunder's tracer at the first forward (`dict.fromkeys is not yet supported`).
+- `thunder.jit(fsdp(model))`, or `thunder.jit` of one unit of it: thunder interprets the
+  engine's hooks (collectives, storage pointers, parameter swaps) while tracing and fails
+  there (`Unknown attribute untyped_storage`); had they traced, they would not run again.
 
 Making them compose means inserting the gathers and reductions into thunder's trace, which is
 what thunder's own `thunder.distributed.fsdp` does. So both are refused with a `TypeError`
 before anything is sharded or traced: a `ThunderModule` anywhere in the model given to
-`fsdp()` (api/functional.py), and a thunder trace reaching a sharded root's forward
-(`refuse_thunder_trace`, called by the root's pre-hook).
+`fsdp()` (api/functional.py), and a thunder trace reaching a unit's forward
+(`refuse_thunder_trace`, called by every unit's pre-hook).
 
 Nothing here imports thunder: a `ThunderModule` or a thunder trace exists only once thunder
-has been imported, so `sys.modules` is looked up (one dict lookup per root forward).
+has been imported, so `sys.modules` is looked up (one dict lookup per unit forward).
 """
 
 from __future__ import annotations
@@ -61,16 +63,19 @@ def refuse_thunder_module(model: nn.Module) -> None:
     raise TypeError(f"{where} thunder ThunderModule (from thunder.jit). {_FIX}")
 
 
-def refuse_thunder_trace() -> None:
-    """Raise a TypeError when thunder's tracer is running this code: `thunder.jit(fsdp(m))`
-    reached the sharded root's forward."""
+def refuse_thunder_trace(unit_name: str) -> None:
+    """Raise a TypeError when thunder's tracer is running this code: `thunder.jit(fsdp(m))`,
+    or `thunder.jit` of one of its units, reached the forward of the unit `unit_name` (`''`:
+    the root)."""
     interpreter = sys.modules.get("thunder.core.interpreter")
     if interpreter is None:
         return
-    # the compile context is set while thunder interprets a function, whether it interprets
-    # this code or calls it opaquely, and is unset when the compiled program runs
-    if interpreter.get_interpretercompilectx_if_available() is not None:
+    # The compile context is set while thunder interprets a function, whether it interprets
+    # this code or calls it opaquely, and is unset when the compiled program runs. (Checked
+    # on thunder 0.2.6; a thunder without this function fails later, deep in the engine.)
+    compile_context = getattr(interpreter, "get_interpretercompilectx_if_available", None)
+    if compile_context is not None and compile_context() is not None:
+        where = f"its unit {unit_name!r}" if unit_name else "its root"
         raise TypeError(
-            f"thunder.jit() was given a model sharded by fullshard (it is tracing its "
-            f"forward). {_FIX}"
+            f"thunder.jit() is tracing a model sharded by fullshard ({where}). {_FIX}"
         )

@@ -5,10 +5,10 @@ thunder traces a module's whole forward into one program over the parameters it 
 
 - `fsdp(thunder.jit(model))`, or a model holding a `thunder.jit` submodule: a TypeError
   naming it and the fix, before anything is sharded;
-- `thunder.jit(fsdp(model))`: a TypeError at the first forward, from the root's pre-hook,
-  instead of a failure deep in the engine (blocks as units) or a model that silently trains
-  nothing (the whole model one unit); the sharded model then still trains in parity with one
-  process, eagerly.
+- `thunder.jit(fsdp(model))` (blocks as units, or the whole model one unit), or `thunder.jit`
+  of one unit inside it: a TypeError at the first forward, from the unit's pre-hook, instead
+  of a failure deep in the engine; the sharded model then still trains in parity with one
+  process, eagerly (the refusal leaves nothing behind).
 
 Only where thunder is importable (its own environment: lightning-thunder 0.2.6 needs
 torch >= 2.7.1; the refusal was checked on torch 2.9.1):
@@ -100,31 +100,41 @@ def _fsdp_of_thunder_module() -> list[str]:
     return messages
 
 
-def _thunder_jit_of_sharded(policy: str | None) -> str:
+def _thunder_jit_of_sharded(what: str) -> str:
+    """`what`: 'model' (blocks as units), 'root-unit' (the whole model one unit) or 'block'
+    (`thunder.jit` of one unit inside the sharded model)."""
     import thunder
 
     torch.manual_seed(0)
     ref = TinyGPT()
+    policy = "root" if what == "root-unit" else None
     model = fullshard.fsdp(copy.deepcopy(ref), device="cpu", sharding_strategy="FULL_SHARD",
                            auto_wrap_policy=policy)
     batches = _batches(ref, 3)
-    jitted = thunder.jit(model)
-    with pytest.raises(TypeError, match=f"thunder.jit\\(\\) was given a model sharded by .*{FIX}"
-                       ) as e:
-        _loss(jitted, {k: v[:2] for k, v in batches[0].items()})
+    first = {k: v[:2] for k, v in batches[0].items()}
+    where = "its unit 'blocks.0'" if what == "block" else "its root"
+    refused = f"thunder.jit\\(\\) is tracing a model sharded by fullshard \\({where}\\).*{FIX}"
+    if what == "block":
+        block = model.blocks[0]
+        model.blocks[0] = thunder.jit(block)
+        with pytest.raises(TypeError, match=refused) as e:
+            _loss(model, first)
+        model.blocks[0] = block
+    else:
+        with pytest.raises(TypeError, match=refused) as e:
+            _loss(thunder.jit(model), first)
     # the refusal left nothing behind: the sharded model itself trains as one process does
     train_and_compare(model, ref, batches, _loss)
     return str(e.value)
 
 
-@needs_thunder
 def test_fsdp_refuses_a_thunder_module(group2: DistributedGroup) -> None:
     for messages in group2.run(_fsdp_of_thunder_module, timeout=300):
         print(messages[0])
 
 
 @needs_thunder
-@pytest.mark.parametrize("policy", [None, "root"])
-def test_thunder_jit_of_a_sharded_model_is_refused(group2: DistributedGroup, policy) -> None:
-    for message in group2.run(_thunder_jit_of_sharded, policy, timeout=300):
+@pytest.mark.parametrize("what", ["model", "root-unit", "block"])
+def test_thunder_jit_of_a_sharded_model_is_refused(group2: DistributedGroup, what: str) -> None:
+    for message in group2.run(_thunder_jit_of_sharded, what, timeout=300):
         print(message)
