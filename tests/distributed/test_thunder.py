@@ -128,6 +128,7 @@ def _thunder_jit_of_sharded(what: str) -> str:
     return str(e.value)
 
 
+@needs_thunder
 def test_fsdp_refuses_a_thunder_module(group2: DistributedGroup) -> None:
     for messages in group2.run(_fsdp_of_thunder_module, timeout=300):
         print(messages[0])
