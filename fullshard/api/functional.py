@@ -30,6 +30,7 @@ from fullshard.engine.entry import hook_entry_points
 from fullshard.engine.ignored import resolve_ignored
 from fullshard.engine.runtime_lookup import is_wrapped
 from fullshard.engine.sharding import shard_module
+from fullshard.engine.thunder_refusal import refuse_thunder_module
 from fullshard.engine.wrap import normalize_policy
 
 
@@ -122,11 +123,15 @@ def fsdp(
     root gets its `forward` compiled in place with the same options, and the root comes back
     compiled with them, its own frame eager (see `fullshard.api.compile_units`: dynamo cannot
     compile a frame that loops over units, and the fragments it compiles instead cost more).
+    thunder does not compose with fullshard in either order: a `thunder.jit` module in `model`
+    is a TypeError here, and `thunder.jit` of the returned model one at its first forward
+    (`fullshard.engine.thunder_refusal` says why; use `thunder.distributed.fsdp` for thunder).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fsdp() expects an nn.Module, got {type(model).__name__}")
     # torch.compile'd: shard what it wraps, then compile each unit and the root again
     model, recompile = unwrap_for_units(model)
+    refuse_thunder_module(model)  # before anything is sharded (engine/thunder_refusal.py)
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "fullshard.fsdp() needs torch.distributed to be initialized. Call "

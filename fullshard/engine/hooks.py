@@ -87,6 +87,7 @@ from fullshard.engine.bucket import Bucket, PendingReduction, issue_reductions
 from fullshard.engine.precision import cast_floating
 from fullshard.engine.saved_params import SavedParams
 from fullshard.engine.small_units import gather_batch_bytes, reduce_batch_bytes
+from fullshard.engine.thunder_refusal import refuse_thunder_trace
 from fullshard.engine.unit import BackwardDone, Unit, UnitState
 
 
@@ -175,6 +176,7 @@ class Runtime:
 
     # -- forward ----------------------------------------------------------------------------
     def pre_forward(self, unit: Unit, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+        refuse_thunder_trace(unit.name)  # thunder.jit of the model or a unit: a dict lookup
         recomputing = _in_backward()
         if unit is self.root and not recomputing:
             self._begin_forward()
