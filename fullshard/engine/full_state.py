@@ -14,7 +14,7 @@ engine's full state dict and the full checkpoint format share one implementation
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ from fullshard.distributed import comm
 from fullshard.engine.layout import ShardLayout
 from fullshard.engine.runtime_lookup import runtime_of
 from fullshard.engine.sharded_param import ShardedParam
+from fullshard.engine.unit import Unit
 
 
 def _params_by_id(model: nn.Module) -> dict[int, ShardedParam]:
@@ -121,43 +122,86 @@ def load_full_state_dict(
 ) -> tuple[list[str], list[str]]:
     """Load an unsharded state dict into a wrapped model: each rank copies its own rows.
 
-    Returns `(missing_keys, unexpected_keys)`; with `strict=True` either being non-empty is a
-    `ValueError` naming them. A shape mismatch is always a `ValueError` naming the key.
-    Anything but a mapping of names to tensors is a `TypeError` naming the argument.
+    It is `model.load_state_dict(state_dict, strict=False)` (which accepts full tensors on a
+    wrapped model, see `register_sharded_loading`), so the modules' own
+    `_load_from_state_dict` overrides and load pre-/post-hooks run and may remap keys, as they
+    would on the unwrapped model. Returns `(missing_keys, unexpected_keys)` after that
+    remapping; with `strict=True` either being non-empty is a `ValueError` naming them, raised
+    once the matching keys are loaded (as torch's `load_state_dict` does). A shape mismatch is
+    always a `ValueError` naming the key. Anything but a mapping of names to tensors is a
+    `TypeError` naming the argument.
     """
     check_bool("strict", strict)
     _check_state_dict(state_dict)
     runtime = runtime_of(model)
     runtime.release_all()
-    by_id = _params_by_id(model)
-    own = model.state_dict(keep_vars=True)
-    missing = [k for k in own if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in own]
+    sharded = set(_params_by_id(model))  # ids of the sharded parameters
+    # Parameters the engine does not shard (ignored ones) and buffers: torch would report a
+    # wrong shape only after loading everything else, as a RuntimeError; name it first.
+    for key, target in model.state_dict(keep_vars=True).items():
+        value = state_dict.get(key)
+        if (
+            isinstance(value, torch.Tensor) and isinstance(target, torch.Tensor)
+            and id(target) not in sharded and tuple(value.shape) != tuple(target.shape)
+        ):
+            raise ValueError(
+                f"load_full_state_dict: {key!r} has shape {tuple(value.shape)} in the "
+                f"state dict but {tuple(target.shape)} in the model."
+            )
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
     if strict and (missing or unexpected):
         raise ValueError(
             f"load_full_state_dict: the state dict does not match the model. Missing keys: "
             f"{missing or 'none'}; unexpected keys: {unexpected or 'none'}. Pass strict=False "
             f"to load the matching keys only."
         )
-    for key, target in own.items():
-        if key not in state_dict:
-            continue
-        value = state_dict[key]
-        sp = by_id.get(id(target))
-        if sp is None:
-            if isinstance(target, torch.Tensor):
-                if tuple(value.shape) != tuple(target.shape):
-                    raise ValueError(
-                        f"load_full_state_dict: {key!r} has shape {tuple(value.shape)} in the "
-                        f"state dict but {tuple(target.shape)} in the model."
-                    )
-                target.copy_(value)
-            continue
-        layout = sp.layout
-        if tuple(value.shape) != tuple(layout.shape):
-            raise ValueError(
-                f"load_full_state_dict: {key!r} has shape {tuple(value.shape)} in the state "
-                f"dict but the model's parameter is {tuple(layout.shape)} (unsharded)."
-            )
-        sp.param.copy_(own_rows(value, layout))
-    return missing, unexpected
+    return list(missing), list(unexpected)
+
+
+def register_sharded_loading(units: Iterable[Unit]) -> None:
+    """Let `load_state_dict` on the wrapped model take full (unsharded) tensors, as torch
+    FSDP's full state dicts and Lightning do, besides this rank's shards (`state_dict()`).
+
+    One load pre-hook per module that holds sharded parameters turns a full tensor into this
+    rank's rows (a view: torch's copy into the shard reads only those rows, also from a
+    memory-mapped file). It is a pre-hook of the module that owns the parameter, so it runs
+    after that module's own `_load_from_state_dict` override has remapped the keys (litgpt's
+    LoRA and adapter models map `attn.qkv.weight` to `attn.qkv.linear.weight` this way), and
+    after any pre-hook the module registered before it was wrapped.
+    """
+    by_module: dict[nn.Module, dict[str, ShardedParam]] = {}
+    for unit in units:
+        for sp in unit.params:
+            for module, name in sp.refs:
+                by_module.setdefault(module, {})[name] = sp
+    for module, params in by_module.items():
+        module.register_load_state_dict_pre_hook(_ShardedLoading(params))
+
+
+class _ShardedLoading:
+    """The load pre-hook of one module (see `register_sharded_loading`)."""
+
+    def __init__(self, params: dict[str, ShardedParam]) -> None:
+        self.params = params
+
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, *_: object) -> None:
+        # `state_dict` is torch's copy for this module: rewriting it leaves the caller's alone.
+        for name, sp in self.params.items():
+            key = prefix + name
+            value = state_dict.get(key)
+            if isinstance(value, torch.Tensor):
+                state_dict[key] = _as_own_rows(key, value, sp.layout)
+
+
+def _as_own_rows(key: str, value: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+    if tuple(value.shape) == tuple(layout.shape):
+        return own_rows(value, layout)
+    if tuple(value.shape) == tuple(layout.local_shape):
+        return value  # this rank's shard, as `model.state_dict()` gives it
+    start, stop = layout.owned
+    raise ValueError(
+        f"load_state_dict: {key!r} has shape {tuple(value.shape)} in the state dict but the "
+        f"model's parameter is {tuple(layout.shape)} (unsharded; this rank holds rows "
+        f"{start}:{stop}, shape {tuple(layout.local_shape)}). Pass the full tensor or this "
+        f"rank's rows of it."
+    )

@@ -36,6 +36,7 @@ from fullshard.distributed.mesh import ShardMesh
 from fullshard.engine.bucket import Bucket
 from fullshard.engine.checkpointing import apply_activation_checkpointing
 from fullshard.engine.eager import register_unit_hooks
+from fullshard.engine.full_state import register_sharded_loading
 from fullshard.engine.hooks import Runtime
 from fullshard.engine.ignored import Ignored
 from fullshard.engine.layout import ShardLayout
@@ -141,6 +142,7 @@ def shard_module(
     # A load writes the shards in place: drop gathered copies now (a stale copy would also be
     # caught by its version counter at the next forward, but would hold memory until then).
     model.register_load_state_dict_post_hook(lambda module, keys: runtime.invalidate())
+    register_sharded_loading(units)  # load_state_dict takes full tensors too
     mark_wrapped(model, runtime)
     return runtime
 
