@@ -171,7 +171,7 @@ def _checkpointed_forward(
 
 
 def _run(original: Any, runtime: Runtime, needed: list[Unit], *args: Any, **kwargs: Any) -> Any:
-    if torch._C._current_graph_task_id() == -1:
+    if not _in_backward():
         return original(*args, **kwargs)
     # Recomputation inside backward: the hooks of the enclosing units are not running.
     _install_for_recompute(runtime, needed)
