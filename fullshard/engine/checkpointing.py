@@ -26,9 +26,10 @@ copy was released). Two kinds of region:
   inside backward the layer's enclosing units *and its own unit* are installed around it
   (where the layer's hooks run too, they install its unit a second time, which is
   harmless: a recomputation's installs are uncounted and idempotent). HF sets the function
-  afresh at every enable, so it is wrapped again where found unwrapped: at wrap time, at
-  each root forward (5.3 looks the function up before the layer's own hooks run) and at
-  each forward of the layer (a call that enters below the root). Traced as no-ops under
+  afresh at every enable, so it is wrapped again where found unwrapped: at wrap time and
+  before each forward of the root or of an entry point (`entry.entry_points`: the ways
+  into the model), i.e. before any layer is called -- not in the layer's own pre-hook,
+  which 5.3 runs only after it has looked the function up. Traced as no-ops under
   torch.compile.
 
 How the recomputed graph's gradients reach the reductions (it is never differentiated under
@@ -45,7 +46,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fullshard.engine.entry import enclosing_units
+from fullshard.engine.entry import enclosing_units, entry_points
 from fullshard.engine.wrap import normalize_policy
 
 if TYPE_CHECKING:
@@ -140,11 +141,9 @@ def hook_model_checkpointing(model: nn.Module, runtime: Runtime) -> None:
     if not layers:
         return
     _guard_layers(layers, runtime)
-    model.register_forward_pre_hook(functools.partial(_guard_before_forward, layers, runtime))
-    for layer, needed in layers:
-        layer.register_forward_pre_hook(
-            functools.partial(_guard_before_forward, [(layer, needed)], runtime)
-        )
+    # The ways into the model: every forward that reaches a layer passes one of them first.
+    for way_in in (model, *entry_points(model)):
+        way_in.register_forward_pre_hook(functools.partial(_guard_before_forward, layers, runtime))
 
 
 def _in_backward() -> bool:

@@ -64,8 +64,9 @@ def _is_checkpointing(model: torch.nn.Module) -> bool:
 
 def _gradient_checkpointing() -> dict:
     """Parity with one process for every strategy and both checkpoint flavours, switched on
-    before (odd strategies) or after (even) wrapping, with units below the checkpointed layers
-    (the layer reads the root's norms) and with the layers as units (FULL_SHARD's default)."""
+    before or after wrapping (each strategy both ways, one per flavour), with units below the
+    checkpointed layers (the layer reads the root's norms) and with the layers as units
+    (FULL_SHARD's default)."""
     world = dist.get_world_size()
     results: dict[str, object] = {}
     for name in SUB_LAYER_UNITS:
@@ -76,14 +77,15 @@ def _gradient_checkpointing() -> dict:
                 torch.manual_seed(0)
                 ref = build()
                 ref.gradient_checkpointing_enable(**kwargs)
-                model = copy.deepcopy(ref) if i % 2 else build()
-                if not i % 2:
+                after = (i + reentrant) % 2 == 0  # switched on after wrapping
+                model = build() if after else copy.deepcopy(ref)
+                if after:
                     model.load_state_dict(ref.state_dict())
                 units = _classes(model, SUB_LAYER_UNITS[name]) if strategy != "FULL_SHARD" else None
                 model = fullshard.fsdp(model, device="cpu", sharding_strategy=strategy,
                                        bucketing_strategy=STRATEGIES[strategy],
                                        auto_wrap_policy=units)
-                if not i % 2:  # switched on after wrapping
+                if after:
                     model.gradient_checkpointing_enable(**kwargs)
                 assert _is_checkpointing(model)
                 key = f"{name}/{strategy}/{'reentrant' if reentrant else 'non-reentrant'}"
@@ -98,9 +100,32 @@ def _gradient_checkpointing() -> dict:
             results[f"{name}/FULL_SHARD/sub-layer units/{reentrant}"] = train_and_compare(
                 model, ref, batches(name, world)[:2], hf_loss
             )
+    results["entry_point"] = _entry_point_first()
     results["zero3_release"] = _zero3_checkpointed_layers_release()
     results["style"] = _checkpointing_style()
     return results
+
+
+def _hidden_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model.base_model(input_ids=batch["input_ids"]).last_hidden_state.pow(2).mean()
+
+
+def _entry_point_first() -> dict:
+    """Switched on after wrapping, then trained through `model.base_model(...)` (an entry
+    point: the root's forward never runs) from the first step, ZeRO-3 with units below the
+    layers: the layers' checkpoint function is wrapped before they are called."""
+    world = dist.get_world_size()
+    out = {}
+    for reentrant in (False, True):
+        torch.manual_seed(0)
+        ref = MODELS["gpt2"][0]()
+        ref.gradient_checkpointing_enable({"use_reentrant": reentrant})
+        model = fullshard.fsdp(copy.deepcopy(ref), device="cpu", sharding_strategy="FULL_SHARD",
+                               auto_wrap_policy=_classes(ref, SUB_LAYER_UNITS["gpt2"]))
+        model.gradient_checkpointing_disable()
+        model.gradient_checkpointing_enable({"use_reentrant": reentrant})
+        out[reentrant] = train_and_compare(model, ref, batches("gpt2", world)[:2], _hidden_loss)
+    return out
 
 
 def _zero3_checkpointed_layers_release() -> dict:
@@ -150,6 +175,11 @@ def test_gradient_checkpointing_every_strategy(results: list[dict]) -> None:
             for flavour in ("reentrant", "non-reentrant"):
                 assert done[f"{name}/{strategy}/{flavour}"]["loss"] <= 1e-5
         assert {f"{name}/FULL_SHARD/sub-layer units/{r}" for r in (False, True)} <= set(done)
+
+
+def test_gradient_checkpointing_through_an_entry_point(results: list[dict]) -> None:
+    for reentrant in (False, True):
+        assert results[0]["entry_point"][reentrant]["loss"] <= 1e-5
 
 
 def test_gradient_checkpointing_zero3_releases_each_layer(results: list[dict]) -> None:
