@@ -15,13 +15,22 @@ copy was released). Two kinds of region:
   replaced by an instance attribute that runs it under non-reentrant `torch.utils.checkpoint`
   and, inside backward, installs the enclosing units around it. Names, `state_dict` keys and
   hooks are unchanged (no wrapper module, no `_checkpoint_wrapped_module` prefix).
-- the model's own: Hugging Face's `gradient_checkpointing_enable()` makes each
-  `GradientCheckpointingLayer` call `checkpoint(nn.Module.__call__ of the layer, ...)`,
-  reentrant or not, and it may be switched on before or after wrapping. Every such layer
-  that is not a unit gets a forward pre-hook and post-hook that act only inside backward,
-  i.e. during its recomputation: install the enclosing units, uninstall them after. Outside
-  backward they return at once (one call each per layer and forward; traced as no-ops
-  under torch.compile).
+- the model's own: Hugging Face's `gradient_checkpointing_enable()` gives each
+  `GradientCheckpointingLayer` a `_gradient_checkpointing_func` (`checkpoint`, reentrant or
+  not), through which the layer checkpoints itself; it may be switched on before or after
+  wrapping. What the layer hands that function differs by version: up to transformers
+  5.3 its `nn.Module.__call__` (the recomputation runs the layer's hooks), from later 5.x
+  its plain `forward` (so that FSDP2's hooks stay outside the checkpoint; the recomputation
+  runs no hook of the layer, a unit's own gather included). Hooks cannot serve both, so the
+  function itself is wrapped (`_RecomputeGuard`): whatever it is handed runs as before, and
+  inside backward the layer's enclosing units *and its own unit* are installed around it
+  (where the layer's hooks run too, they install its unit a second time, which is
+  harmless: a recomputation's installs are uncounted and idempotent). HF sets the function
+  afresh at every enable, so it is wrapped again where found unwrapped: at wrap time and
+  before each forward of the root or of an entry point (`entry.entry_points`: the ways
+  into the model), i.e. before any layer is called -- not in the layer's own pre-hook,
+  which 5.3 runs only after it has looked the function up. Traced as no-ops under
+  torch.compile.
 
 How the recomputed graph's gradients reach the reductions (it is never differentiated under
 non-reentrant checkpointing and is the only route under reentrant checkpointing) is the
@@ -37,7 +46,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fullshard.engine.entry import enclosing_units
+from fullshard.engine.entry import enclosing_units, entry_points
 from fullshard.engine.wrap import normalize_policy
 
 if TYPE_CHECKING:
@@ -87,21 +96,54 @@ def _is_hf_checkpointing_layer(module: nn.Module) -> bool:
     return any(c.__name__ == "GradientCheckpointingLayer" for c in type(module).__mro__)
 
 
+class _RecomputeGuard:
+    """A layer's `_gradient_checkpointing_func`, wrapped: checkpoints what it is handed
+    through `inner` (HF's function), installing `needed` around the recomputation."""
+
+    __slots__ = ("inner", "runtime", "needed")
+
+    def __init__(self, inner: Any, runtime: Runtime, needed: list[Unit]) -> None:
+        self.inner, self.runtime, self.needed = inner, runtime, needed
+
+    def __call__(self, function: Any, *args: Any, **kwargs: Any) -> Any:
+        run = functools.partial(_run, function, self.runtime, self.needed)
+        return self.inner(run, *args, **kwargs)
+
+
+_FUNC = "_gradient_checkpointing_func"
+
+
+def _guard_layers(layers: list[tuple[nn.Module, list[Unit]]], runtime: Runtime) -> None:
+    """Wrap the checkpoint function of each layer that has an unwrapped one."""
+    for layer, needed in layers:
+        func = layer.__dict__.get(_FUNC)
+        if func is not None and not isinstance(func, _RecomputeGuard):
+            layer.__dict__[_FUNC] = _RecomputeGuard(func, runtime, needed)
+
+
+def _guard_before_forward(layers: list[tuple[nn.Module, list[Unit]]], runtime: Runtime,
+                          *_: Any) -> None:
+    if not torch.compiler.is_compiling() and not _in_backward():
+        _guard_layers(layers, runtime)
+
+
 def hook_model_checkpointing(model: nn.Module, runtime: Runtime) -> None:
-    """Let the model's own checkpointed layers (Hugging Face) recompute outside their
-    enclosing units' hooks (see the module docstring). Layers without an enclosing unit to
-    install (a unit of their own holding all they use) get no hooks."""
-    units = {id(u.module) for u in runtime.units}
+    """Let the model's own checkpointed layers (Hugging Face) recompute with the units they
+    read installed (see the module docstring). Layers whose recomputation needs no unit
+    installed (none owns a parameter they use outside units nested in them) are left alone."""
+    layers: list[tuple[nn.Module, list[Unit]]] = []
     for module in model.modules():
-        if id(module) in units or not _is_hf_checkpointing_layer(module):
+        if not _is_hf_checkpointing_layer(module):
             continue
-        needed = enclosing_units(module, runtime, called=True)
-        if not needed:
-            continue
-        module.register_forward_pre_hook(functools.partial(_install_for_recompute, runtime, needed))
-        module.register_forward_hook(
-            functools.partial(_uninstall_after_recompute, needed), always_call=True
-        )
+        needed = enclosing_units(module, runtime, called=False)
+        if needed:
+            layers.append((module, needed))
+    if not layers:
+        return
+    _guard_layers(layers, runtime)
+    # The ways into the model: every forward that reaches a layer passes one of them first.
+    for way_in in (model, *entry_points(model)):
+        way_in.register_forward_pre_hook(functools.partial(_guard_before_forward, layers, runtime))
 
 
 def _in_backward() -> bool:
@@ -111,16 +153,14 @@ def _in_backward() -> bool:
     return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
-def _install_for_recompute(runtime: Runtime, needed: list[Unit], *_: Any) -> None:
-    if _in_backward():
-        for unit in needed:
-            runtime.gather_for_recompute(unit)
+def _install_for_recompute(runtime: Runtime, needed: list[Unit]) -> None:
+    for unit in needed:
+        runtime.gather_for_recompute(unit)
 
 
-def _uninstall_after_recompute(needed: list[Unit], *_: Any) -> None:
-    if _in_backward():
-        for unit in needed:
-            unit.uninstall()
+def _uninstall_after_recompute(needed: list[Unit]) -> None:
+    for unit in needed:
+        unit.uninstall()
 
 
 def _checkpointed_forward(
@@ -130,7 +170,7 @@ def _checkpointed_forward(
 
 
 def _run(original: Any, runtime: Runtime, needed: list[Unit], *args: Any, **kwargs: Any) -> Any:
-    if torch._C._current_graph_task_id() == -1:
+    if not _in_backward():
         return original(*args, **kwargs)
     # Recomputation inside backward: the hooks of the enclosing units are not running.
     _install_for_recompute(runtime, needed)

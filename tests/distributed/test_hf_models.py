@@ -9,12 +9,10 @@ SGD steps match one process (fp32, rtol=1e-5, atol=1e-6). Also through `Fabric` 
 (`_no_split_modules`), and what HF users call on the model: `config`, `generate()`,
 `loss_function`, `save_pretrained()` of the full weights and `from_pretrained` of them.
 
-Hugging Face's `gradient_checkpointing_enable()` (reentrant and not, before or after wrapping)
-trains at parity for every strategy, also with units below the checkpointed layers, and under
-ZeRO-3 releases each layer after its own backward. `generate()` (GPT-2, Llama, T5; greedy and
+`generate()` (GPT-2, Llama, T5; greedy and
 seeded sampling) returns the unwrapped model's tokens on every rank while rank 0 stops after
 2 tokens and the others run on; `get_encoder()` / `get_input_embeddings()` called directly see
-gathered weights.
+gathered weights. (Hugging Face's gradient checkpointing: test_hf_gradient_checkpointing.py.)
 
 One group per world size runs everything (one `run` per world size).
 """
@@ -38,68 +36,16 @@ from tests.distributed.model_parity import train_and_compare
 
 transformers = pytest.importorskip("transformers")
 
-STRATEGIES = {  # strategy -> bucketing, so every bucketing runs too
-    "FULL_SHARD": "BLOCK",
-    "SHARD_GRAD_OP": "LAYER",
-    "NO_SHARD": "NONE",
-    "HYBRID_SHARD": "BLOCK",
-}
-STEPS, ROWS_PER_RANK, SEQ, VOCAB = 3, 2, 8, 64
-
-
-def _gpt2() -> torch.nn.Module:
-    cfg = transformers.GPT2Config(
-        n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=16, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-    )
-    return transformers.GPT2LMHeadModel(cfg)
-
-
-def _llama() -> torch.nn.Module:
-    cfg = transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=16, intermediate_size=32, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16, bos_token_id=0,
-        eos_token_id=0, pad_token_id=0,
-    )
-    return transformers.LlamaForCausalLM(cfg)
-
-
-def _bert() -> torch.nn.Module:
-    cfg = transformers.BertConfig(
-        num_hidden_layers=2, hidden_size=16, intermediate_size=32, num_attention_heads=2,
-        vocab_size=VOCAB, max_position_embeddings=16, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, pad_token_id=0,
-    )
-    return transformers.BertForMaskedLM(cfg)
-
-
-def _t5() -> torch.nn.Module:
-    cfg = transformers.T5Config(
-        vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_decoder_layers=2,
-        num_heads=2, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
-    )
-    return transformers.T5ForConditionalGeneration(cfg)
-
-
-MODELS = {"gpt2": (_gpt2, "GPT2Block"), "llama": (_llama, "LlamaDecoderLayer"),
-          "bert": (_bert, "BertEmbeddings + 2 x BertLayer")}
-
-
-def _batches(name: str, world: int) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(7)
-    out = []
-    for _ in range(STEPS):
-        ids = torch.randint(1, VOCAB, (world * ROWS_PER_RANK, SEQ), generator=g)
-        # Causal LMs shift labels inside; BERT's MLM labels every position (no -100), so
-        # every rank averages over the same number of tokens and the mean of the rank
-        # means is the global mean.
-        labels = ids if name != "bert" else torch.randint(1, VOCAB, ids.shape, generator=g)
-        out.append({"input_ids": ids, "labels": labels})
-    return out
-
-
-def _loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return model(**batch).loss
+from tests.distributed.hf_tiny import (  # noqa: E402 - transformers is importable
+    MODELS,
+    STRATEGIES,
+    VOCAB,
+    batches,
+    gpt2,
+    hf_loss,
+    llama,
+    t5,
+)
 
 
 def _parity_all_strategies() -> dict:
@@ -112,7 +58,7 @@ def _parity_all_strategies() -> dict:
             model = fullshard.fsdp(copy.deepcopy(ref), device="cpu",
                                    sharding_strategy=strategy, bucketing_strategy=bucketing)
             results[f"{name}/{strategy}"] = train_and_compare(
-                model, ref, _batches(name, world), _loss
+                model, ref, batches(name, world), hf_loss
             )
         units_line = repr(model).splitlines()[1]
         assert f"2 x {unit_class.split(' + ')[-1].removeprefix('2 x ')}" in units_line, units_line
@@ -124,7 +70,7 @@ def _parity_all_strategies() -> dict:
 def _hf_surface() -> dict:
     """What HF users call on the wrapped model behaves as on the unwrapped one."""
     torch.manual_seed(0)
-    ref = _gpt2()
+    ref = gpt2()
     model = fullshard.fsdp(copy.deepcopy(ref), device="cpu", sharding_strategy="FULL_SHARD")
     out: dict[str, object] = {}
     assert type(model).__name__ == "GPT2LMHeadModel"  # HF writes it into config.json
@@ -181,89 +127,12 @@ def _fabric_empty_init() -> dict:
         for (bn, b), (rn, rb) in zip(model.named_buffers(), ref.named_buffers()):
             assert bn == rn and torch.equal(b, rb), f"{name}: buffer {bn} differs"
         model.load_original_state_dict(ref.state_dict())
-        results[name] = train_and_compare(model, ref, _batches(name, world), _loss)
+        results[name] = train_and_compare(model, ref, batches(name, world), hf_loss)
     return results
 
 
-# Units below the checkpointed layer: the layer's norms belong to the root, whose hooks do
-# not run during the recomputation (4f84aec: "weight of shape [8]" on 2 ranks).
-SUB_LAYER_UNITS = {"gpt2": ("GPT2Attention", "GPT2MLP"), "llama": ("LlamaAttention", "LlamaMLP")}
-
-
-def _classes(model: torch.nn.Module, names: tuple[str, ...]) -> set[type]:
-    return {type(m) for m in model.modules() if type(m).__name__ in names}
-
-
-def _gradient_checkpointing() -> dict:
-    """HF's `gradient_checkpointing_enable()`, reentrant and not, switched on before or after
-    wrapping: parity with one process for every strategy, with units below the checkpointed
-    layers (the layer reads the root's norms) and with the layers as units; and under ZeRO-3
-    each layer unit is released after its own backward (not held until backward ends)."""
-    world = dist.get_world_size()
-    results: dict[str, object] = {}
-    for name in SUB_LAYER_UNITS:
-        build = MODELS[name][0]
-        for i, strategy in enumerate(STRATEGIES):
-            for reentrant in (False, True):
-                kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": reentrant}}
-                torch.manual_seed(0)
-                ref = build()
-                ref.gradient_checkpointing_enable(**kwargs)
-                model = copy.deepcopy(ref) if i % 2 else build()
-                if not i % 2:
-                    model.load_state_dict(ref.state_dict())
-                units = _classes(model, SUB_LAYER_UNITS[name]) if strategy != "FULL_SHARD" else None
-                model = fullshard.fsdp(model, device="cpu", sharding_strategy=strategy,
-                                       bucketing_strategy=STRATEGIES[strategy],
-                                       auto_wrap_policy=units)
-                if not i % 2:  # switched on after wrapping
-                    model.gradient_checkpointing_enable(**kwargs)
-                assert model.is_gradient_checkpointing
-                key = f"{name}/{strategy}/{'reentrant' if reentrant else 'non-reentrant'}"
-                results[key] = train_and_compare(model, ref, _batches(name, world)[:2], _loss)
-        # sub-layer units under ZeRO-3 too (above, ZeRO-3 ran with the layers as units)
-        for reentrant in (False, True):
-            torch.manual_seed(0)
-            ref = build()
-            ref.gradient_checkpointing_enable({"use_reentrant": reentrant})
-            model = fullshard.fsdp(copy.deepcopy(ref), device="cpu", sharding_strategy="FULL_SHARD",
-                                   auto_wrap_policy=_classes(ref, SUB_LAYER_UNITS[name]))
-            results[f"{name}/FULL_SHARD/sub-layer units/{reentrant}"] = train_and_compare(
-                model, ref, _batches(name, world)[:2], _loss
-            )
-    results["zero3_release"] = _zero3_checkpointed_layers_release()
-    return results
-
-
-def _zero3_checkpointed_layers_release() -> dict:
-    """ZeRO-3, 4 GPT-2 blocks as units, non-reentrant HF checkpointing: during backward at
-    most the root and two blocks (the running one and one prefetched) are gathered. At
-    4f84aec the recomputation counted a second node per block that never ran, so every block
-    stayed gathered (and unreduced) until backward ended."""
-    cfg = transformers.GPT2Config(n_layer=4, n_embd=16, n_head=2, vocab_size=VOCAB,
-                                  n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(cfg)
-    model.gradient_checkpointing_enable()
-    model = fullshard.fsdp(model, device="cpu", sharding_strategy="FULL_SHARD",
-                           bucketing_strategy="BLOCK")
-    root, *blocks = model.fullshard_runtime.units
-    assert len(blocks) == 4
-    s = model.fullshard_runtime.mesh.shard.size
-    nbytes = [s * sum(b.numel for b in u.buckets) * 4 for u in (root, *blocks)]
-    ids = torch.randint(1, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
-    loss = model(input_ids=ids, labels=ids).loss
-    fullshard.reset_memory_stats()
-    loss.backward()
-    peak = fullshard.memory_stats()["peak_unsharded_param_bytes"]
-    bound = nbytes[0] + 2 * max(nbytes[1:])
-    assert peak <= bound, f"peak unsharded params in backward {peak} > root + 2 blocks {bound}"
-    assert fullshard.memory_stats()["unsharded_param_bytes"] == 0
-    return {"peak": peak, "bound": bound}
-
-
-GENERATION = {"gpt2": ("FULL_SHARD", _gpt2), "llama": ("HYBRID_SHARD", _llama),
-              "t5": ("FULL_SHARD", _t5)}
+GENERATION = {"gpt2": ("FULL_SHARD", gpt2), "llama": ("HYBRID_SHARD", llama),
+              "t5": ("FULL_SHARD", t5)}
 
 
 def _generation() -> dict:
@@ -306,8 +175,7 @@ def _everything() -> dict:
     others still run. Generation goes last: where it fails, ranks may leave it out of step."""
     out: dict[str, object] = {}
     for key, section in (("parity", _parity_all_strategies), ("surface", _hf_surface),
-                         ("fabric", _fabric_empty_init), ("checkpointing", _gradient_checkpointing),
-                         ("generation", _generation)):
+                         ("fabric", _fabric_empty_init), ("generation", _generation)):
         try:
             out[key] = section()
         except Exception:  # noqa: BLE001 - reported by the section's test
@@ -347,16 +215,6 @@ def test_hf_surface(results: list[dict]) -> None:
 
 def test_fabric_empty_init(results: list[dict]) -> None:
     assert set(_section(results, "fabric")[0]) == set(MODELS)
-
-
-def test_gradient_checkpointing_every_strategy(results: list[dict]) -> None:
-    done = _section(results, "checkpointing")[0]
-    for name in SUB_LAYER_UNITS:
-        for strategy in STRATEGIES:
-            for flavour in ("reentrant", "non-reentrant"):
-                assert done[f"{name}/{strategy}/{flavour}"]["loss"] <= 1e-5
-        assert {f"{name}/FULL_SHARD/sub-layer units/{r}" for r in (False, True)} <= set(done)
-    assert done["zero3_release"]["peak"] <= done["zero3_release"]["bound"]
 
 
 def test_generate_ranks_stop_at_different_lengths(results: list[dict]) -> None:

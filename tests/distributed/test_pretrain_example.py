@@ -87,7 +87,7 @@ def test_throughput_is_logged(runs: dict[str, Path]) -> None:
 # -- litgpt's own pretrain.py ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def litgpt_runs(tmp_path_factory) -> Path:
-    pytest.importorskip("litgpt")  # 0.5.13 in the test extras (it has no __version__)
+    pytest.importorskip("litgpt")  # the litgpt extra: .venv-litgpt in `make test`
     pytest.importorskip("lightning")
     out = tmp_path_factory.mktemp("litgpt")
     launch([sys.executable, "-m", "fullshard.cli", "run", "--nproc", "2",
