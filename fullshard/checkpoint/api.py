@@ -141,7 +141,9 @@ def _save_full(target: Path, tmp: Path, token: str, state: Mapping[str, Any],
                 atomic.claim(tmp)
                 atomic.save_file(ckpt, tmp)
         except Exception as e:
-            error = integrity.no_space(e, target, tmp)
+            if rank0:
+                atomic.remove(tmp)  # first: what is free now is what the message reports
+            error = integrity.no_space(e, target, tmp, integrity.tensor_bytes(ckpt))
         ckpt = {}
         _finish(target, tmp, token, tail, error, rank0)
 
@@ -169,7 +171,7 @@ def _save_sharded(target: Path, tmp: Path, token: str, state: Mapping[str, Any],
             tmp.mkdir(parents=True)
             atomic.claim(tmp)
     except Exception as e:
-        error = e
+        error = integrity.no_space(e, target, tmp)
     try:
         _agree_on(group, error, shape, "save_checkpoint (preparing)")
     except BaseException:
@@ -179,6 +181,9 @@ def _save_sharded(target: Path, tmp: Path, token: str, state: Mapping[str, Any],
     if staged:
         flat, meta = background.stage(flat), background.stage(meta)
 
+    def needed() -> int:  # the DCP items' global bytes and meta.pt's
+        return integrity.tensor_bytes(flat) + integrity.tensor_bytes(meta)
+
     def write(tail: comm.Group | None, pg: Any) -> None:
         error: BaseException | None = None
         try:  # collective; a failure raises on every rank
@@ -186,7 +191,9 @@ def _save_sharded(target: Path, tmp: Path, token: str, state: Mapping[str, Any],
         except BaseException as e:
             if rank0:
                 atomic.remove(tmp)
-            clear = integrity.no_space(e, target, tmp) if isinstance(e, Exception) else e
+            if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: as they are
+                raise
+            clear = integrity.no_space(e, target, tmp, needed())
             if clear is e:
                 raise
             raise clear from None
@@ -194,7 +201,7 @@ def _save_sharded(target: Path, tmp: Path, token: str, state: Mapping[str, Any],
             if rank0:  # rank 0 only: the other ranks learn of a failure in `_finish`
                 sharded.finish_meta(tmp, meta, sums)
         except Exception as e:
-            error = integrity.no_space(e, target, tmp)
+            error = integrity.no_space(e, target, tmp, needed())
         _finish(target, tmp, token, tail, error, rank0)
 
     return write

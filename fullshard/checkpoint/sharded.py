@@ -361,6 +361,8 @@ def read(path: Path, flat: dict[str, Any], group: comm.Group | None,
 
 
 def _dcp_call(fn: Callable[[], Any], what: str) -> Any:
+    """`fn()`, a DCP save or load, whose `CheckpointException` (a `BaseException`, which a
+    user's `except Exception` would miss) becomes a `CheckpointError`."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     with warnings.catch_warnings():
@@ -374,8 +376,8 @@ def _dcp_call(fn: Callable[[], Any], what: str) -> Any:
                 inner = failure[0] if isinstance(failure, tuple) else failure
                 if isinstance(inner, CheckpointError):  # ours (unsafe, corrupt): as it is
                     raise type(inner)(str(inner)) from None
-            if integrity.is_no_space(e):
-                raise
+            if integrity.is_no_space(e):  # the caller (`api`) names the checkpoint and sizes
+                raise CheckpointError(f"No space left on device {what}: {e}") from None
             raise CheckpointError(f"torch.distributed.checkpoint failed {what}: {e}") from None
         finally:
             # A cached DeviceMesh keeps its process group alive past destroy_process_group();
