@@ -270,29 +270,21 @@ def read_meta(path: Path, weights_only: bool = True, *,
 def read_index(path: Path, weights_only: bool = True, *, allow_symlinks: bool = False) -> Any:
     """DCP's `.metadata` (global shapes and dtypes of everything saved), checked against the
     files on disk: every data file it points into lies inside the checkpoint directory
-    (`inside`), is present and long enough."""
+    (`inside`), is present and long enough. An index that points outside is named as such
+    before its checksum is compared: an edit that makes it escape also changes its sum."""
     file = path / DCP_METADATA
     if not file.is_file() and not file.is_symlink():
         raise CheckpointError(
             f"The sharded checkpoint {str(path)!r} is missing its file {str(file)!r} (DCP's "
             f"index); it is incomplete and cannot be loaded."
         )
-    _verified(path, DCP_METADATA, allow_symlinks)
-    try:
-        index = safe_load.reader(path, weights_only).read_metadata()
-    except CheckpointError:
-        raise
-    except Exception as e:
-        raise CheckpointError(
-            f"{str(file)!r} cannot be read ({type(e).__name__}: {e}); it is truncated or "
-            f"corrupt, so the checkpoint {str(path)!r} cannot be loaded."
-        ) from e
-    needed: dict[str, int] = {}
-    for info in (getattr(index, "storage_data", None) or {}).values():
-        end = int(info.offset) + int(info.length)
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
-    for name, size in sorted(needed.items()):
-        f = inside(path, name, allow_symlinks)
+    inside(path, DCP_METADATA, allow_symlinks)
+    index = _index_contained(path, weights_only, allow_symlinks)
+    sums = integrity.read_sums(path)
+    if sums is not None:
+        sums.check_file(DCP_METADATA)
+    for name, size in sorted(_data_files(index).items()):
+        f = path / name
         if not f.is_file():
             raise CheckpointError(
                 f"The sharded checkpoint {str(path)!r} is missing its file {str(f)!r} (its "
@@ -305,6 +297,46 @@ def read_index(path: Path, weights_only: bool = True, *, allow_symlinks: bool = 
                 f"bytes into it; it is truncated, so {str(path)!r} cannot be loaded."
             )
     return index
+
+
+def _index_contained(path: Path, weights_only: bool, allow_symlinks: bool) -> Any:
+    """The index, read without running code from it (`safe_load`), every data file it names
+    checked by `inside`. Only an index the safe reader refuses is checksummed first, and
+    unpickled in full (`weights_only=False`) only when its sum matches."""
+    try:
+        index = safe_load.reader(path, True).read_metadata()
+    except Exception as e:
+        sums = integrity.read_sums(path)
+        if sums is not None:
+            sums.check_file(DCP_METADATA)  # corrupt or edited: that is what to say first
+        unsafe = isinstance(e, safe_load.UnsafeCheckpointError)
+        if unsafe and weights_only:
+            raise
+        if not unsafe:
+            raise _unreadable(path, e) from e
+        try:
+            index = safe_load.reader(path, False).read_metadata()  # the opt-in
+        except Exception as full_error:
+            raise _unreadable(path, full_error) from full_error
+    for name in _data_files(index):
+        inside(path, name, allow_symlinks)
+    return index
+
+
+def _unreadable(path: Path, e: Exception) -> CheckpointError:
+    return CheckpointError(
+        f"{str(path / DCP_METADATA)!r} cannot be read ({type(e).__name__}: {e}); it is "
+        f"truncated or corrupt, so the checkpoint {str(path)!r} cannot be loaded."
+    )
+
+
+def _data_files(index: Any) -> dict[str, int]:
+    """Every data file the index points into, and how long it must be."""
+    needed: dict[str, int] = {}
+    for info in (getattr(index, "storage_data", None) or {}).values():
+        end = int(info.offset) + int(info.length)
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    return needed
 
 
 def entries(index: Any) -> dict[str, list[tuple[tuple[Any, ...], str, Any]]]:
