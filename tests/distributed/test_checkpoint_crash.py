@@ -361,6 +361,7 @@ def test_a_full_disk_says_no_space_and_keeps_the_previous(group2, tmp_path) -> N
         for out in group2.run(_fill_disk, str(tmp_path)):
             for text, fmt in zip(out, ("sharded", "full", "sharded")):
                 assert "No space left on device" in text and f"small/{fmt}" in text, text
+                assert "it needs about" in text, text  # the bytes, where they are known
             assert out[3:] == ["saved", f"AsyncSave({str(small / 'sharded')!r}, failed)"]
         model = TinyGPT(layers=2)
         for fmt in ("sharded", "full"):
