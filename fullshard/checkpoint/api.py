@@ -29,7 +29,7 @@ entries of `meta.pt`; sharded modules or optimizers that `state` does not name a
 Both formats are Lightning Fabric's, so its checkpoints load here and ours load there. Every
 file is read without running code from it unless the caller passes `weights_only=False`
 (`safe_load`), is checked against the checksums written with it (`integrity`), and lies
-inside the checkpoint directory (`sharded.inside`; symlinks only with `allow_symlinks=True`).
+inside the checkpoint directory (`sharded_files.inside`; symlinks only with `allow_symlinks=True`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,16 @@ from typing import Any
 
 from torch import nn
 
-from fullshard.checkpoint import atomic, background, full, integrity, objects, safe_load, sharded
+from fullshard.checkpoint import (
+    atomic,
+    background,
+    full,
+    integrity,
+    objects,
+    safe_load,
+    sharded,
+    sharded_files,
+)
 from fullshard.checkpoint.objects import Filter
 from fullshard.config import check_bool
 from fullshard.distributed import comm
@@ -340,7 +349,7 @@ def load_checkpoint(
         )
     if fmt == "full":
         return full.load(full.read(path, weights_only), state, strict, path)
-    meta = sharded.read_meta(path, weights_only, allow_symlinks=allow_symlinks)
+    meta = sharded_files.read_meta(path, weights_only, allow_symlinks=allow_symlinks)
     return sharded.load(path, meta, state, strict, group, weights_only,
                         allow_symlinks=allow_symlinks)
 
@@ -350,8 +359,8 @@ def _load_module_only(path: Path, fmt: str, module: nn.Module, strict: bool,
                       allow_symlinks: bool) -> dict[str, Any]:
     """`state` is one module (Lightning's `load_raw(path, module)`): its weights only."""
     if fmt == "sharded":
-        meta = sharded.read_meta(path, weights_only, allow_symlinks=allow_symlinks)
-        saved = sharded.entries(sharded.read_index(path, weights_only,
+        meta = sharded_files.read_meta(path, weights_only, allow_symlinks=allow_symlinks)
+        saved = sharded.entries(sharded_files.read_index(path, weights_only,
                                                    allow_symlinks=allow_symlinks))
         keys = [k for k, v in saved.items() if sharded.kind_of_entry(v) == objects.MODULE]
         if len(keys) != 1:
