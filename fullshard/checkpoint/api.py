@@ -360,8 +360,8 @@ def _load_module_only(path: Path, fmt: str, module: nn.Module, strict: bool,
     """`state` is one module (Lightning's `load_raw(path, module)`): its weights only."""
     if fmt == "sharded":
         meta = sharded_files.read_meta(path, weights_only, allow_symlinks=allow_symlinks)
-        saved = sharded.entries(sharded_files.read_index(path, weights_only,
-                                                   allow_symlinks=allow_symlinks))
+        index = sharded_files.read_index(path, weights_only, allow_symlinks=allow_symlinks)
+        saved = sharded.entries(index)
         keys = [k for k, v in saved.items() if sharded.kind_of_entry(v) == objects.MODULE]
         if len(keys) != 1:
             raise ValueError(
