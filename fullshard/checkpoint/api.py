@@ -29,7 +29,7 @@ entries of `meta.pt`; sharded modules or optimizers that `state` does not name a
 Both formats are Lightning Fabric's, so its checkpoints load here and ours load there. Every
 file is read without running code from it unless the caller passes `weights_only=False`
 (`safe_load`), is checked against the checksums written with it (`integrity`), and lies
-inside the checkpoint directory (`sharded.inside`; symlinks only with `allow_symlinks=True`).
+inside the checkpoint directory (`sharded_files.inside`; symlinks only with `allow_symlinks=True`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,16 @@ from typing import Any
 
 from torch import nn
 
-from fullshard.checkpoint import atomic, background, full, integrity, objects, safe_load, sharded
+from fullshard.checkpoint import (
+    atomic,
+    background,
+    full,
+    integrity,
+    objects,
+    safe_load,
+    sharded,
+    sharded_files,
+)
 from fullshard.checkpoint.objects import Filter
 from fullshard.config import check_bool
 from fullshard.distributed import comm
@@ -141,7 +150,9 @@ def _save_full(target: Path, tmp: Path, token: str, state: Mapping[str, Any],
                 atomic.claim(tmp)
                 atomic.save_file(ckpt, tmp)
         except Exception as e:
-            error = integrity.no_space(e, target, tmp)
+            if rank0:
+                atomic.remove(tmp)  # first: what is free now is what the message reports
+            error = integrity.no_space(e, target, tmp, integrity.tensor_bytes(ckpt))
         ckpt = {}
         _finish(target, tmp, token, tail, error, rank0)
 
@@ -169,7 +180,7 @@ def _save_sharded(target: Path, tmp: Path, token: str, state: Mapping[str, Any],
             tmp.mkdir(parents=True)
             atomic.claim(tmp)
     except Exception as e:
-        error = e
+        error = integrity.no_space(e, target, tmp)
     try:
         _agree_on(group, error, shape, "save_checkpoint (preparing)")
     except BaseException:
@@ -179,6 +190,9 @@ def _save_sharded(target: Path, tmp: Path, token: str, state: Mapping[str, Any],
     if staged:
         flat, meta = background.stage(flat), background.stage(meta)
 
+    def needed() -> int:  # the DCP items' global bytes and meta.pt's
+        return integrity.tensor_bytes(flat) + integrity.tensor_bytes(meta)
+
     def write(tail: comm.Group | None, pg: Any) -> None:
         error: BaseException | None = None
         try:  # collective; a failure raises on every rank
@@ -186,7 +200,9 @@ def _save_sharded(target: Path, tmp: Path, token: str, state: Mapping[str, Any],
         except BaseException as e:
             if rank0:
                 atomic.remove(tmp)
-            clear = integrity.no_space(e, target, tmp) if isinstance(e, Exception) else e
+            if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: as they are
+                raise
+            clear = integrity.no_space(e, target, tmp, needed())
             if clear is e:
                 raise
             raise clear from None
@@ -194,7 +210,7 @@ def _save_sharded(target: Path, tmp: Path, token: str, state: Mapping[str, Any],
             if rank0:  # rank 0 only: the other ranks learn of a failure in `_finish`
                 sharded.finish_meta(tmp, meta, sums)
         except Exception as e:
-            error = integrity.no_space(e, target, tmp)
+            error = integrity.no_space(e, target, tmp, needed())
         _finish(target, tmp, token, tail, error, rank0)
 
     return write
@@ -333,7 +349,7 @@ def load_checkpoint(
         )
     if fmt == "full":
         return full.load(full.read(path, weights_only), state, strict, path)
-    meta = sharded.read_meta(path, weights_only, allow_symlinks=allow_symlinks)
+    meta = sharded_files.read_meta(path, weights_only, allow_symlinks=allow_symlinks)
     return sharded.load(path, meta, state, strict, group, weights_only,
                         allow_symlinks=allow_symlinks)
 
@@ -343,9 +359,9 @@ def _load_module_only(path: Path, fmt: str, module: nn.Module, strict: bool,
                       allow_symlinks: bool) -> dict[str, Any]:
     """`state` is one module (Lightning's `load_raw(path, module)`): its weights only."""
     if fmt == "sharded":
-        meta = sharded.read_meta(path, weights_only, allow_symlinks=allow_symlinks)
-        saved = sharded.entries(sharded.read_index(path, weights_only,
-                                                   allow_symlinks=allow_symlinks))
+        meta = sharded_files.read_meta(path, weights_only, allow_symlinks=allow_symlinks)
+        index = sharded_files.read_index(path, weights_only, allow_symlinks=allow_symlinks)
+        saved = sharded.entries(index)
         keys = [k for k, v in saved.items() if sharded.kind_of_entry(v) == objects.MODULE]
         if len(keys) != 1:
             raise ValueError(

@@ -18,10 +18,11 @@ What happens where:
   training's collectives.
 
 At most one save is in flight per process: the next save (blocking or not), any load, and
-`wait_pending()` first wait for it, and raise its error if it failed -- a failure is never
-lost: if nothing waited for it, it is printed at process exit, which waits for the thread
-(a non-daemon thread). Call `wait_pending()` (or the handle's `wait()`) before
-`destroy_process_group()`, which would take the background save's process group with it.
+`wait_pending()` first wait for it, and raise its error if it failed and the handle's `wait()`
+has not raised it already -- a failure is never lost, nor raised twice: if nothing waited for
+it, it is printed at process exit, which waits for the thread (a non-daemon thread). Call
+`wait_pending()` (or the handle's `wait()`) before `destroy_process_group()`, which would take
+the background save's process group with it.
 
 The staged copy costs host memory: the rank's share of the checkpoint (rank 0: the whole
 full checkpoint), held until the write ends. On CUDA a DTensor's shard is copied on its
@@ -81,10 +82,14 @@ _PENDING: AsyncSave | None = None
 
 
 def wait_pending() -> Path | None:
-    """Wait for the save in flight in this process, if any; raise its error if it failed."""
+    """Wait for the save in flight in this process, if any; raise its error if it failed and
+    its handle's `wait()` has not raised it already (an error is raised once)."""
     global _PENDING
     pending, _PENDING = _PENDING, None
-    return pending.wait() if pending is not None else None
+    if pending is None:
+        return None
+    pending._thread.join()
+    return None if pending._surfaced else pending.wait()
 
 
 def start(target: Path, work: Callable[[], None]) -> AsyncSave:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from fullshard.checkpoint import atomic, objects, safe_load, sharded
+from fullshard.checkpoint import atomic, objects, safe_load, sharded, sharded_files
 
 
 def to_full(ckpt_dir: str | os.PathLike, *, weights_only: bool | None = None) -> dict[str, Any]:
@@ -39,8 +39,8 @@ def to_full(ckpt_dir: str | os.PathLike, *, weights_only: bool | None = None) ->
             f"{str(path)!r} is not a sharded checkpoint ({reason}). Pass the directory that "
             f"save_checkpoint(..., state_dict_type='sharded') wrote."
         )
-    meta = sharded.read_meta(path, weights_only)
-    index = sharded.read_index(path, weights_only)
+    meta = sharded_files.read_meta(path, weights_only)
+    index = sharded_files.read_index(path, weights_only)
     flat: dict[str, Any] = {
         key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
         if isinstance(md, TensorStorageMetadata) else None  # a byte item replaces None
@@ -85,7 +85,7 @@ def consolidate(ckpt_dir: str | os.PathLike, out: str | os.PathLike, *,
             f"The output {str(target)!r} is a directory; consolidate writes one file. Give a "
             f"file name (ending in .safetensors for the safetensors format)."
         )
-    index = sharded.read_index(Path(ckpt_dir), safe_load.resolve(weights_only))
+    index = sharded_files.read_index(Path(ckpt_dir), safe_load.resolve(weights_only))
     modules = [k for k, v in sharded.entries(index).items()
                if sharded.kind_of_entry(v) == objects.MODULE]
     tmp = atomic.temp_path(target, atomic.new_token(None))

@@ -23,7 +23,8 @@ which is the failure it is for; it is not a defence against someone forging a fi
 
 A mismatch raises `CheckpointError` naming the file and the key. `no_space` turns a full disk
 -- torch's own message is `enforce fail at inline_container.cc ... unexpected pos`, the
-`ENOSPC` only in its context -- into "No space left on device" naming the path.
+`ENOSPC` only in its context; DCP's is a `CheckpointException` holding every rank's `OSError`
+-- into a `CheckpointError` "No space left on device" naming the path and the bytes needed.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import errno
 import json
 import os
 import pickle
+import shutil
 import warnings
 import zipfile
 import zlib
@@ -343,12 +345,56 @@ def is_no_space(e: BaseException) -> bool:
         "No space left on device" in str(e))
 
 
-def no_space(e: BaseException, target: Path, tmp: Path) -> BaseException:
-    """A clear error for a save that ran out of disk; `e` itself otherwise."""
-    if not is_no_space(e):
+def _short_write(e: BaseException) -> bool:
+    """torch's zip writer found fewer bytes on disk than it wrote (its `ENOSPC` is lost)."""
+    return any("unexpected pos" in str(x) for x in _errors(e))
+
+
+def _free_bytes(directory: Path) -> int | None:
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return None
+
+
+def no_space(e: BaseException, target: Path, tmp: Path, needed: int | None = None
+             ) -> BaseException:
+    """A clear `CheckpointError` for a save that ran out of disk (`needed`: the bytes of the
+    tensors it writes, when known); `e` itself otherwise. A short write of torch's zip writer
+    counts as a full disk when the checkpoint cannot fit in what is free even now (its
+    temporary files removed)."""
+    free = _free_bytes(target.parent)
+    cannot_fit = bool(needed) and free is not None and needed > free
+    if not (is_no_space(e) or (cannot_fit and _short_write(e))):
         return e
+    sizes = ""
+    if needed:
+        sizes = f" it needs about {_bytes(needed)}"
+        if free is not None:
+            sizes += f" and {_bytes(free)} are free there"
+        sizes += ";"
     return CheckpointError(
-        f"No space left on device while saving the checkpoint {str(target)!r} (writing under "
-        f"the temporary name {str(tmp)!r}, now removed). The previous checkpoint at that path, "
-        f"if any, is untouched. Free space on that filesystem or save elsewhere."
+        f"No space left on device while saving the checkpoint {str(target)!r}:{sizes} the "
+        f"filesystem filled up while writing under the temporary name {str(tmp)!r}, now "
+        f"removed. The previous checkpoint at that path, if any, is untouched (a save writes "
+        f"beside it and replaces it only once complete, so it needs room for both). Free "
+        f"space on that filesystem or save elsewhere."
     )
+
+
+def _bytes(n: int) -> str:
+    return f"{n:,} bytes ({n / 2 ** 20:.1f} MiB)"
+
+
+def tensor_bytes(tree: Any) -> int:
+    """The bytes of every tensor in a nested dict/list (a DTensor counts its global size:
+    what a sharded save writes over all ranks)."""
+    import torch
+
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(tensor_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(tensor_bytes(v) for v in tree)
+    return 0

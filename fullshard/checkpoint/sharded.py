@@ -27,8 +27,8 @@ same shards: DCP's planner keeps one copy of each chunk (the lowest rank's), so 
 written twice; whole tensors (buffers, Adam's `step`) are written by global rank 0.
 
 Reading never runs code from the files by default: `meta.pt`, DCP's index and its byte items
-go through `safe_load`. The index also says how long every data file must be, so a missing
-or truncated file is named before DCP reads anything.
+go through `safe_load`. What a load may read -- files inside the directory, complete, matching
+their checksums -- is checked first (`sharded_files`).
 """
 
 from __future__ import annotations
@@ -45,11 +45,8 @@ from torch import nn
 from fullshard.checkpoint import integrity, objects, safe_load
 from fullshard.checkpoint.errors import CheckpointError
 from fullshard.checkpoint.objects import Filter, ParamInfo
+from fullshard.checkpoint.sharded_files import DCP_METADATA, META, read_index
 from fullshard.distributed import comm
-
-META = "meta.pt"
-DCP_METADATA = ".metadata"
-OLD_FORMAT = "fullshard-sharded-v1"  # meta.pt of fullshard before it used Lightning's layout
 
 __all__ = ["CheckpointError"]
 
@@ -200,113 +197,6 @@ def finish_meta(tmp: Path, meta: dict[str, Any], sums: list[list[Any]]) -> None:
     integrity.write_sums(tmp, sums, [DCP_METADATA, META])
 
 
-# -- load: what a load may read ---------------------------------------------------------------
-def inside(path: Path, name: str, allow_symlinks: bool) -> Path:
-    """`path / name` for a file the checkpoint's own index names, refused when it lies outside
-    the checkpoint directory (an absolute name, `..`, or -- unless `allow_symlinks` -- a
-    symlink anywhere below `path`). DCP itself only writes plain names, so a name that leaves
-    the directory means the index was edited."""
-    rel = Path(name)
-    if rel.is_absolute() or ".." in rel.parts or not rel.parts:
-        raise CheckpointError(
-            f"The sharded checkpoint {str(path)!r} names the file {name!r}, which lies outside "
-            f"its directory; a checkpoint only reads its own files (its index was edited or "
-            f"is corrupt). Use another checkpoint."
-        )
-    file = path / rel
-    if not allow_symlinks:
-        node = path
-        for part in rel.parts:
-            node = node / part
-            if node.is_symlink():
-                raise CheckpointError(
-                    f"The checkpoint file {str(node)!r} is a symlink (to "
-                    f"{os.readlink(node)!r}); loading refuses to follow symlinks inside a "
-                    f"checkpoint directory, so nothing outside it is read. If you made it, "
-                    f"pass allow_symlinks=True (load_checkpoint, FSDPStrategy.load_checkpoint, "
-                    f"fabric.load)."
-                )
-    return file
-
-
-def _verified(path: Path, name: str, allow_symlinks: bool) -> Path:
-    """One of the checkpoint's own files, contained and matching its whole-file checksum."""
-    file = inside(path, name, allow_symlinks)
-    sums = integrity.read_sums(path)
-    if sums is not None:
-        sums.check_file(name)
-    return file
-
-
-# -- load: the files ------------------------------------------------------------------------
-def read_meta(path: Path, weights_only: bool = True, *,
-              allow_symlinks: bool = False) -> dict[str, Any]:
-    """`meta.pt`: the user's entries (a plain dict), read without running code by default."""
-    file = _verified(path, META, allow_symlinks)
-    try:
-        meta = safe_load.torch_load(file, weights_only=weights_only,
-                                    what="The sharded checkpoint's metadata file")
-    except (FileNotFoundError, CheckpointError):
-        raise
-    except Exception as e:
-        raise CheckpointError(
-            f"{str(file)!r} cannot be read ({type(e).__name__}: {e}); it is truncated or "
-            f"corrupt, so the checkpoint {str(path)!r} cannot be loaded."
-        ) from e
-    if not isinstance(meta, dict):
-        raise CheckpointError(
-            f"{str(file)!r} holds a {type(meta).__name__}, not the dict of a sharded "
-            f"checkpoint's metadata."
-        )
-    if meta.get("format") == OLD_FORMAT:
-        raise CheckpointError(
-            f"{str(path)!r} was written by an older fullshard ({OLD_FORMAT}); fullshard now "
-            f"writes Lightning's layout. Load it with the fullshard version that wrote it and "
-            f"save it again."
-        )
-    return meta
-
-
-def read_index(path: Path, weights_only: bool = True, *, allow_symlinks: bool = False) -> Any:
-    """DCP's `.metadata` (global shapes and dtypes of everything saved), checked against the
-    files on disk: every data file it points into lies inside the checkpoint directory
-    (`inside`), is present and long enough."""
-    file = path / DCP_METADATA
-    if not file.is_file() and not file.is_symlink():
-        raise CheckpointError(
-            f"The sharded checkpoint {str(path)!r} is missing its file {str(file)!r} (DCP's "
-            f"index); it is incomplete and cannot be loaded."
-        )
-    _verified(path, DCP_METADATA, allow_symlinks)
-    try:
-        index = safe_load.reader(path, weights_only).read_metadata()
-    except CheckpointError:
-        raise
-    except Exception as e:
-        raise CheckpointError(
-            f"{str(file)!r} cannot be read ({type(e).__name__}: {e}); it is truncated or "
-            f"corrupt, so the checkpoint {str(path)!r} cannot be loaded."
-        ) from e
-    needed: dict[str, int] = {}
-    for info in (getattr(index, "storage_data", None) or {}).values():
-        end = int(info.offset) + int(info.length)
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
-    for name, size in sorted(needed.items()):
-        f = inside(path, name, allow_symlinks)
-        if not f.is_file():
-            raise CheckpointError(
-                f"The sharded checkpoint {str(path)!r} is missing its file {str(f)!r} (its "
-                f"index points {size} bytes into it); it cannot be loaded."
-            )
-        found = f.stat().st_size
-        if found < size:
-            raise CheckpointError(
-                f"The checkpoint file {str(f)!r} has {found} bytes but its index points {size} "
-                f"bytes into it; it is truncated, so {str(path)!r} cannot be loaded."
-            )
-    return index
-
-
 def entries(index: Any) -> dict[str, list[tuple[tuple[Any, ...], str, Any]]]:
     """The index's items by top-level key: `{key: [(path, flat key, metadata), ...]}` where
     `path` is the item's place in the saved nested dict (`('optimizer', 'state', name, 'step')`)."""
@@ -361,6 +251,8 @@ def read(path: Path, flat: dict[str, Any], group: comm.Group | None,
 
 
 def _dcp_call(fn: Callable[[], Any], what: str) -> Any:
+    """`fn()`, a DCP save or load, whose `CheckpointException` (a `BaseException`, which a
+    user's `except Exception` would miss) becomes a `CheckpointError`."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     with warnings.catch_warnings():
@@ -374,8 +266,8 @@ def _dcp_call(fn: Callable[[], Any], what: str) -> Any:
                 inner = failure[0] if isinstance(failure, tuple) else failure
                 if isinstance(inner, CheckpointError):  # ours (unsafe, corrupt): as it is
                     raise type(inner)(str(inner)) from None
-            if integrity.is_no_space(e):
-                raise
+            if integrity.is_no_space(e):  # the caller (`api`) names the checkpoint and sizes
+                raise CheckpointError(f"No space left on device {what}: {e}") from None
             raise CheckpointError(f"torch.distributed.checkpoint failed {what}: {e}") from None
         finally:
             # A cached DeviceMesh keeps its process group alive past destroy_process_group();

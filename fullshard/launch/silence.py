@@ -30,9 +30,14 @@ either; a store that refuses connections belongs to a process that ended, which 
 reports: the thread then just stops.
 
 The bound: `FULLSHARD_SILENCE_TIMEOUT` seconds (`fullshard run --silence-timeout S`), default
-60; 0 turns detection off. Started by `install_rank_hooks` (fullshard's process-group init and
-`fsdp()`); at exit the rank is marked done first (`_at_exit`), and `stop_heartbeat` (after
-fullshard's exit barrier, or from `FSDPStrategy.teardown`) stops and joins both threads.
+60; 0 turns detection off. The second connection is the store's `clone()`, or on a torch
+without it a new client of the TCPStore below the process group's prefixes; a store that
+offers neither (one written in Python) leaves detection off, and every rank says so once
+(a `RuntimeWarning` naming why and what is lost).
+
+Started by `install_rank_hooks` (fullshard's process-group init and `fsdp()`); at exit the
+rank is marked done first (`_at_exit`), and `stop_heartbeat` (after fullshard's exit barrier,
+or from `FSDPStrategy.teardown`) stops and joins both threads.
 
 The beat, the watch and the verdict (`Heartbeat`) serve the launchers of a multi-node job too,
 one member per node (`node_silence.py`); what a rank adds, the failure board and its way of
@@ -47,6 +52,7 @@ import os
 import socket
 import threading
 import time
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -280,8 +286,9 @@ _LOCK = threading.Lock()
 
 def start_heartbeat(rank: int, local_rank: int, *, timeout: float | None = None) -> bool:
     """Start this rank's heartbeat over the default process group's store (once per process;
-    `timeout` defaults to `silence_timeout()`). False when it does not run: one rank, the bound
-    is 0, or the store cannot be given a second connection."""
+    `timeout` defaults to `silence_timeout()`). False when it does not run: one rank or the
+    bound is 0 (nothing to say), or the store cannot be given a second connection (then it
+    warns, once, naming why and what is lost)."""
     global _HEARTBEAT
     import torch.distributed as dist
 
@@ -295,16 +302,82 @@ def start_heartbeat(rank: int, local_rank: int, *, timeout: float | None = None)
         if _HEARTBEAT is not None:
             return True
         keep = dist.distributed_c10d._get_default_store()
-        try:
-            store = keep.clone()  # a second connection (TCPStore); others cannot
-        except Exception:  # noqa: BLE001 - FileStore / HashStore: no detection
+        store, why = second_connection(keep, timedelta(seconds=max(1.0, min(bound / 4, 10.0))))
+        if store is None:
+            _say_off(rank, keep, why, bound)
             return False
-        store.set_timeout(timedelta(seconds=max(1.0, min(bound / 4, 10.0))))
         _HEARTBEAT = _RankHeartbeat(dist.PrefixStore(_PREFIX, store), keep, rank, local_rank,
                                     world, bound)
         _HEARTBEAT.start()
     atexit.register(_at_exit)
     return True
+
+
+def second_connection(store: Any, timeout: timedelta) -> tuple[Any, str]:
+    """`(connection, "")`: a store of its own over the same keys as `store`, or `(None, why)`:
+    `Store.clone()` where the store has it (TCPStore, FileStore, HashStore on a recent torch),
+    else a new client of the TCPStore below it (`tcp_client`)."""
+    try:
+        connection = store.clone()
+    except Exception as e:  # noqa: BLE001 - absent (older torch) or not implemented
+        return tcp_client(store, timeout,
+                          f"{_root_name(store)}.clone() failed ({type(e).__name__}: {e})")
+    connection.set_timeout(timeout)
+    return connection, ""
+
+
+def tcp_client(store: Any, timeout: timedelta, why: str) -> tuple[Any, str]:
+    """A new client to the host and port of the TCPStore below `store` (torch before
+    `Store.clone()`); `(None, why)` when there is none. Its keys are the server's own, not
+    under the process group's prefixes: a prefix per torchelastic attempt keeps an earlier
+    attempt's beats and verdict apart."""
+    import torch.distributed as dist
+
+    root = _below_prefixes(store)
+    if not isinstance(root, dist.TCPStore):
+        return None, why
+    try:
+        client = dist.TCPStore(root.host, root.port, is_master=False, timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - reported by the caller
+        return None, (f"{why}, and a new client of its TCPStore at {root.host}:{root.port} "
+                      f"could not connect ({type(e).__name__}: {e})")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
+    return dist.PrefixStore(f"fullshard/attempt-{attempt}", client), ""
+
+
+def _below_prefixes(store: Any) -> Any:
+    """The store below the process group's prefixes (the one torchrun or the user made)."""
+    import torch.distributed as dist
+
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+def _root_name(store: Any) -> str:
+    return type(_below_prefixes(store)).__name__
+
+
+_SAID_OFF = False
+
+
+def _say_off(rank: int, store: Any, why: str, bound: float) -> None:
+    """Hang detection cannot start: say so, once per process."""
+    global _SAID_OFF
+    if _SAID_OFF:
+        return
+    _SAID_OFF = True
+    warnings.warn(
+        f"fullshard: hang detection is off on rank {rank}: its heartbeat needs a second "
+        f"connection to the process group's store ({_root_name(store)}), and {why}. A rank "
+        f"that stops answering without dying (stopped, swapped out, cut off from the network) "
+        f"will make the others wait in their next collective until the process group's "
+        f"timeout, instead of failing within {bound:g} s ({SILENCE_VAR}) naming it. Initialize "
+        f"the process group with a TCPStore (init_method='env://' or 'tcp://', as torchrun and "
+        f"`fullshard run` do) to have it, or set {SILENCE_VAR}=0 to turn it off knowingly.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def _at_exit() -> None:

@@ -7,7 +7,9 @@ missing files fail to load with an error naming the file."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -232,18 +234,24 @@ def test_load_reads_nothing_outside_the_checkpoint(group2, tmp_path) -> None:
     outside = tmp_path / "outside"
     outside.mkdir()
     shutil.copy(good / "__1_0.distcp", outside / "__1_0.distcp")
+    # The escape is named as one, before any checksum is compared: with the checksums file
+    # kept (the edit changed the index's sum) or dropped (as an attacker would).
     for how, rel in (("dotdot", "../../../" + str(outside.relative_to("/")) + "/__1_0.distcp"),
                      ("absolute", str(outside / "__1_0.distcp"))):
-        bad = tmp_path / f"bad-{how}"
-        shutil.copytree(good, bad)
-        index = pickle.loads((bad / ".metadata").read_bytes())  # our own test file: trusted
-        for info in index.storage_data.values():
-            if info.relative_path == "__1_0.distcp":
-                info.relative_path = rel
-        (bad / ".metadata").write_bytes(pickle.dumps(index))
-        (bad / integrity.SUMS).unlink()  # an attacker would not keep a file that tells
-        with pytest.raises(CheckpointError, match="lies outside its directory"):
-            _weights(bad)
+        for sums in ("kept", "dropped"):
+            bad = tmp_path / f"bad-{how}-{sums}"
+            shutil.copytree(good, bad)
+            index = pickle.loads((bad / ".metadata").read_bytes())  # our own test file
+            for info in index.storage_data.values():
+                if info.relative_path == "__1_0.distcp":
+                    info.relative_path = rel
+            (bad / ".metadata").write_bytes(pickle.dumps(index))
+            if sums == "dropped":
+                (bad / integrity.SUMS).unlink()
+            with pytest.raises(CheckpointError, match=f"names the file {re.escape(repr(rel))}, "
+                                                      f"which lies outside its directory") as e:
+                _weights(bad)
+            assert "checksum" not in str(e.value), (how, sums, str(e.value))
     linked = tmp_path / "linked"
     shutil.copytree(good, linked)
     (linked / "__1_0.distcp").unlink()
@@ -333,25 +341,63 @@ def _fill_disk(root: str) -> list[str]:
     return out
 
 
-def test_a_full_disk_says_no_space_and_keeps_the_previous(group2, tmp_path) -> None:
+@contextlib.contextmanager
+def _one_megabyte(small: Path):
+    """`small` is a 1 MB tmpfs while the block runs (skips the test where it cannot mount)."""
     import subprocess
 
-    small = tmp_path / "small"
     small.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)],
                       capture_output=True).returncode != 0:
         pytest.skip("needs to mount a 1 MB tmpfs (root)")
     try:
+        yield small
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+
+
+def test_a_full_disk_says_no_space_and_keeps_the_previous(group2, tmp_path) -> None:
+    with _one_megabyte(tmp_path / "small") as small:
         for out in group2.run(_fill_disk, str(tmp_path)):
             for text, fmt in zip(out, ("sharded", "full", "sharded")):
                 assert "No space left on device" in text and f"small/{fmt}" in text, text
+                assert "it needs about" in text, text  # the bytes, where they are known
             assert out[3:] == ["saved", f"AsyncSave({str(small / 'sharded')!r}, failed)"]
         model = TinyGPT(layers=2)
         for fmt in ("sharded", "full"):
             load_checkpoint(small / fmt, {"model": model})  # the previous one, complete
         assert sorted(p.name for p in small.iterdir()) == ["full", "sharded"]
-    finally:
-        subprocess.run(["umount", str(small)], check=False)
+
+
+def _fill_disk_in_the_shards(root: str) -> list[str]:
+    """The shard files themselves overflow (2 MB of weights, in DCP's write): the error is one
+    `except Exception` catches, on every rank, for a blocking and a background save."""
+    s = cc.strategy()
+    model, _, _ = _model_at(1, s)
+    s.save_checkpoint(f"{root}/small/sharded", {"model": model})  # the previous one
+    big = s.setup_module(torch.nn.Linear(1024, 512, bias=False))
+    out = []
+    for async_save in (False, True):
+        try:
+            handle = s.save_checkpoint(f"{root}/small/sharded", {"model": big},
+                                       async_save=async_save)
+            if async_save:
+                handle.wait()
+            out.append("saved")
+        except Exception as e:  # noqa: BLE001 - what a user's script catches
+            out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
+def test_a_full_disk_in_the_shard_files_is_an_exception_that_says_so(group2, tmp_path) -> None:
+    with _one_megabyte(tmp_path / "small") as small:
+        for out in group2.run(_fill_disk_in_the_shards, str(tmp_path)):
+            for text in out:
+                assert text.startswith("CheckpointError: No space left on device"), text
+                assert "small/sharded" in text and "2,097,152 bytes" in text, text
+                assert "previous checkpoint at that path, if any, is untouched" in text, text
+        load_checkpoint(small / "sharded", {"model": TinyGPT(layers=2)})  # the previous one
+        assert sorted(p.name for p in small.iterdir()) == ["sharded"]
 
 
 # -- asynchronous saves (issue 25, item 2) -----------------------------------------------------
