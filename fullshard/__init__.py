@@ -9,7 +9,6 @@ from fullshard.api.fabric import Fabric, seed_everything
 from fullshard.api.functional import fsdp
 from fullshard.api.grad_norm import clip_grad_norm_
 from fullshard.api.loggers import CSVLogger
-from fullshard.api.strategy import FSDPStrategy
 from fullshard.config import (
     CPUOffload,
     FSDPBucketingStrategy,
@@ -27,7 +26,6 @@ __all__ = [
     "CPUOffload",
     "CSVLogger",
     "FSDPBucketingStrategy",
-    "FSDPStrategy",
     "FSDPType",
     "Fabric",
     "FullyShardedModule",
@@ -47,3 +45,34 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+_LIGHTNING_MISSING = (
+    "fullshard.FSDPStrategy is a Lightning Fabric strategy and needs Lightning: "
+    'pip install "fullshard[lightning]". (fullshard.fsdp(model) needs torch only.)'
+)
+
+
+def __getattr__(name: str) -> object:
+    """`fullshard.FSDPStrategy`, imported on first use: it needs Lightning, the rest does not."""
+    if name != "FSDPStrategy":
+        raise AttributeError(f"module 'fullshard' has no attribute {name!r}")
+    try:
+        from fullshard.api.lightning_strategy import FSDPStrategy
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] not in ("lightning", "lightning_utilities"):
+            raise
+        raise ImportError(_LIGHTNING_MISSING) from exc
+    return FSDPStrategy
+
+
+def _register_if_lightning_is_loaded() -> None:
+    """`L.Fabric(strategy="fullshard")` works once fullshard is imported: when Lightning's
+    strategies are already loaded, register ours now (without Lightning: nothing to do; when
+    Lightning is imported later, `fullshard.FSDPStrategy` registers on first use)."""
+    import sys
+
+    if "lightning.fabric.strategies" in sys.modules:
+        __getattr__("FSDPStrategy")
+
+
+_register_if_lightning_is_loaded()
