@@ -8,6 +8,7 @@ keeps about 1/N of the model state.
 from fullshard.api.fabric import Fabric, seed_everything
 from fullshard.api.functional import fsdp
 from fullshard.api.grad_norm import clip_grad_norm_
+from fullshard.api.lightning_registration import register_when_lightning_is_imported
 from fullshard.api.loggers import CSVLogger
 from fullshard.config import (
     CPUOffload,
@@ -65,14 +66,4 @@ def __getattr__(name: str) -> object:
     return FSDPStrategy
 
 
-def _register_if_lightning_is_loaded() -> None:
-    """`L.Fabric(strategy="fullshard")` works once fullshard is imported: when Lightning's
-    strategies are already loaded, register ours now (without Lightning: nothing to do; when
-    Lightning is imported later, `fullshard.FSDPStrategy` registers on first use)."""
-    import sys
-
-    if "lightning.fabric.strategies" in sys.modules:
-        __getattr__("FSDPStrategy")
-
-
-_register_if_lightning_is_loaded()
+register_when_lightning_is_imported()  # L.Fabric(strategy="fullshard"): see that module

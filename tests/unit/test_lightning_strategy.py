@@ -89,12 +89,11 @@ def test_without_lightning_the_engine_imports_and_the_strategy_says_how_to_get_i
     assert 'pip install "fullshard[lightning]"' in proc.stdout
 
 
-def test_importing_fullshard_before_lightning_registers_on_first_use() -> None:
+def test_importing_fullshard_before_lightning_registers_it_too() -> None:
     code = (
         "import fullshard, sys\n"
         "assert 'lightning' not in sys.modules\n"
         "import lightning as L\n"
-        "fullshard.FSDPStrategy\n"
         "print(L.Fabric(strategy='fullshard', accelerator='cpu', devices=2).strategy)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
