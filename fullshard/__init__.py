@@ -8,8 +8,8 @@ keeps about 1/N of the model state.
 from fullshard.api.fabric import Fabric, seed_everything
 from fullshard.api.functional import fsdp
 from fullshard.api.grad_norm import clip_grad_norm_
+from fullshard.api.lightning_registration import register_when_lightning_is_imported
 from fullshard.api.loggers import CSVLogger
-from fullshard.api.strategy import FSDPStrategy
 from fullshard.config import (
     CPUOffload,
     FSDPBucketingStrategy,
@@ -27,7 +27,6 @@ __all__ = [
     "CPUOffload",
     "CSVLogger",
     "FSDPBucketingStrategy",
-    "FSDPStrategy",
     "FSDPType",
     "Fabric",
     "FullyShardedModule",
@@ -47,3 +46,24 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+_LIGHTNING_MISSING = (
+    "fullshard.FSDPStrategy is a Lightning Fabric strategy and needs Lightning: "
+    'pip install "fullshard[lightning]". (fullshard.fsdp(model) needs torch only.)'
+)
+
+
+def __getattr__(name: str) -> object:
+    """`fullshard.FSDPStrategy`, imported on first use: it needs Lightning, the rest does not."""
+    if name != "FSDPStrategy":
+        raise AttributeError(f"module 'fullshard' has no attribute {name!r}")
+    try:
+        from fullshard.api.lightning_strategy import FSDPStrategy
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] not in ("lightning", "lightning_utilities"):
+            raise
+        raise ImportError(_LIGHTNING_MISSING) from exc
+    return FSDPStrategy
+
+
+register_when_lightning_is_imported()  # L.Fabric(strategy="fullshard"): see that module

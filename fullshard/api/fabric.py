@@ -129,7 +129,7 @@ class Fabric:
         wanted = plugin_precision if plugin_precision is not None else precision
         if wanted is not None:
             name = wanted.precision if isinstance(wanted, Precision) else resolve_precision(wanted)
-            own = self._strategy._precision
+            own = self._strategy._precision_name
             if own is not None and own != name:
                 raise ValueError(
                     f"Fabric(precision={name!r}) conflicts with the strategy's "

@@ -3,7 +3,10 @@
 It owns the translation from Lightning's options to `fullshard.fsdp()` and the job-level
 duties around it: the process group (`setup_environment`), which launcher starts the ranks
 (`_configure_launcher`), wrapping and optimizer checks, user collectives, the global gradient
-norm, and checkpoints (delegated to `fullshard.checkpoint`). It owns no sharding logic.
+norm, and checkpoints (`api.strategy_checkpoints`, delegated to `fullshard.checkpoint`). It
+owns no sharding logic. `fullshard.FSDPStrategy` is `api.lightning_strategy.FSDPStrategy`: this
+class with Lightning Fabric's strategy base classes under it (Lightning's own `Fabric` takes
+it); `fullshard.Fabric` takes either.
 
 Meanings where Lightning's FSDP and ours differ on purpose:
 - `setup_module_and_optimizers` (`fabric.setup(model, optimizer)`) accepts an optimizer built
@@ -27,9 +30,8 @@ annotations` here): jsonargparse / LightningCLI read them from `inspect.signatur
 """
 
 import contextlib
-import os
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -40,7 +42,7 @@ from torch.optim import Optimizer
 
 from fullshard.api import collectives
 from fullshard.api.compile_units import unwrap_for_units
-from fullshard.api.compiled import uncompiled, uncompiled_entries, unwrap_compiled
+from fullshard.api.compiled import uncompiled, unwrap_compiled
 from fullshard.api.functional import fsdp
 from fullshard.api.grad_norm import clip_grad_norm
 from fullshard.api.optimizer_setup import (
@@ -58,7 +60,6 @@ from fullshard.api.strategy_args import (
     check_mesh_or_group,
     check_norm_type,
     check_optimizers,
-    check_raw_path,
     check_torch_options,
     lightning_precision_name,
     mark_wrapped_unit,
@@ -66,6 +67,7 @@ from fullshard.api.strategy_args import (
     torch_cpu_offload,
     torch_sharding_strategy,
 )
+from fullshard.api.strategy_checkpoints import CheckpointMethods
 from fullshard.api.strategy_env import RankPlacement
 from fullshard.config import (
     CPUOffload,
@@ -89,7 +91,7 @@ except ImportError:  # pragma: no cover - torch without distributed
     DeviceMesh = object  # type: ignore[assignment,misc]
 
 
-class FSDPStrategy(RankPlacement):
+class FSDPStrategy(RankPlacement, CheckpointMethods):
     """Fully sharded data parallel training, configured as Lightning Fabric's `FSDPStrategy`.
 
     Args:
@@ -185,16 +187,12 @@ class FSDPStrategy(RankPlacement):
         self.cpu_offload = torch_cpu_offload(cpu_offload)
         self._mixed_precision = MixedPrecision.coerce(mixed_precision)
         self.mixed_precision = mixed_precision
-        self._precision: str | None = None
+        self._precision_name: str | None = None  # set explicitly (else '32-true')
         self._precision_plugin: Precision | None = None
         if precision is not None:
             self.precision = precision  # the setter: a string/alias or a precision plugin
 
-        if accelerator is not None and accelerator not in ("cpu", "cuda", "gpu"):
-            raise ValueError(
-                f"FSDPStrategy(accelerator={accelerator!r}) must be 'cpu', 'cuda' or 'gpu'."
-            )
-        self.accelerator = "cuda" if accelerator == "gpu" else accelerator
+        self.accelerator = self._checked_accelerator(accelerator)
         self.parallel_devices = list(parallel_devices) if parallel_devices is not None else None
         self.cluster_environment = cluster_environment
         if process_group_backend is not None and not isinstance(process_group_backend, str):
@@ -208,6 +206,15 @@ class FSDPStrategy(RankPlacement):
         self._num_nodes = 1
         self._launcher: Any = None
         self._modules: list[weakref.ReferenceType[nn.Module]] = []
+
+    @staticmethod
+    def _checked_accelerator(accelerator: object) -> Any:
+        """The accelerator to store: None, 'cpu' or 'cuda' ('gpu' means 'cuda')."""
+        if accelerator is not None and accelerator not in ("cpu", "cuda", "gpu"):
+            raise ValueError(
+                f"FSDPStrategy(accelerator={accelerator!r}) must be 'cpu', 'cuda' or 'gpu'."
+            )
+        return "cuda" if accelerator == "gpu" else accelerator
 
     # -- job facts --------------------------------------------------------------------------
     @property
@@ -245,7 +252,7 @@ class FSDPStrategy(RankPlacement):
     @precision.setter
     def precision(self, value: str | int | Precision | None) -> None:
         if isinstance(value, Precision):
-            self._precision, self._precision_plugin = value.precision, value
+            self._precision_name, self._precision_plugin = value.precision, value
             return
         if value is not None and not isinstance(value, str | int):
             name = lightning_precision_name(value)
@@ -257,13 +264,13 @@ class FSDPStrategy(RankPlacement):
                     f"'bf16-true'), found {value!r}."
                 )
             value = name  # the name: the plugin is built for this rank's device
-        self._precision = resolve_precision(value) if value is not None else None
+        self._precision_name = resolve_precision(value) if value is not None else None
 
     @property
     def precision_plugin(self) -> Precision:
         """The precision string's contexts, conversions and ('16-mixed') gradient scaler."""
         plugin = self._precision_plugin
-        name = self._precision or "32-true"
+        name = self._precision_name or "32-true"
         if plugin is None or plugin.precision != name:
             plugin = self._precision_plugin = Precision(name, self.root_device)
         return plugin
@@ -279,7 +286,7 @@ class FSDPStrategy(RankPlacement):
     def _engine_mixed_precision(self) -> MixedPrecision | None:
         """What the engine applies: the user's `mixed_precision`, else the precision string's
         dtypes (None for '32-true')."""
-        return self._mixed_precision or mixed_precision_for(self._precision or "32-true")
+        return self._mixed_precision or mixed_precision_for(self._precision_name or "32-true")
 
     # -- wrapping ---------------------------------------------------------------------------
     def _mesh_argument(self) -> object:
@@ -393,7 +400,8 @@ class FSDPStrategy(RankPlacement):
         self.precision_plugin.backward(tensor, module, *args, **kwargs)
 
     def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
-        return optimizer.step(**kwargs)
+        """`optimizer.step(**kwargs)`, through the gradient scaler under '16-mixed'."""
+        return self.precision_plugin.optimizer_step(optimizer, **kwargs)
 
     @contextlib.contextmanager
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> Iterator[None]:
@@ -461,85 +469,10 @@ class FSDPStrategy(RankPlacement):
             return obj
         return comm.broadcast_pickled(obj, src, comm.Group.from_process_group(None))
 
-    # -- checkpoints ------------------------------------------------------------------------
-    def save_checkpoint(
-        self,
-        path: str | os.PathLike,
-        state: dict[str, Any],
-        storage_options: Any = None,
-        filter: dict[str, Callable[[str, Any], bool]] | None = None,
-        *,
-        async_save: bool = False,
-    ) -> Any:
-        """Save `state` ({'model': model, 'optimizer': opt, ...}) in `state_dict_type`'s format.
-
-        **Collective: every rank must call it** (not only under `if rank == 0:`); a call made
-        on some ranks only warns after a while and raises a `TimeoutError` after `timeout`,
-        instead of hanging. 'sharded': a directory of `torch.distributed.checkpoint` shards
-        plus `meta.pt`, loadable on any world size or strategy; 'full': one file written by
-        rank 0 (original names, optimizer state keyed by parameter name). Written under a
-        temporary name and renamed into place once complete. See `fullshard.checkpoint`.
-        `async_save=True` returns a handle (`.wait()`) while the files are written in the
-        background (`fullshard.checkpoint.background`); None otherwise.
-        """
-        from fullshard.checkpoint import save_checkpoint
-
-        if storage_options is not None:
-            raise TypeError(
-                "`FSDPStrategy.save_checkpoint(..., storage_options=...)` is not supported: the "
-                "strategy writes its files itself (no `CheckpointIO`)."
-            )
-        if isinstance(state, dict) and not state:
-            raise ValueError(
-                "Could not find a FSDP model in the provided checkpoint state: state={} holds "
-                "nothing to save. Pass the model as part of the state, e.g. "
-                "`fabric.save(path, {'model': model, 'optimizer': optimizer})`, with the model "
-                "(and optimizers) set up through the strategy."
-            )
-        # How long the call waits for the other ranks to call it too: the group's timeout.
-        timeout = self._timeout.total_seconds() if self._timeout is not None else 1800.0
-        with uncompiled_entries(state) as state:
-            done = save_checkpoint(path, state, state_dict_type=self._state_dict_type,
-                                   filter=filter, timeout=timeout, async_save=async_save)
-        return done if async_save else None
-
-    def load_checkpoint(
-        self,
-        path: str | os.PathLike,
-        state: dict[str, Any] | nn.Module | None = None,
-        strict: bool = True,
-        weights_only: bool | None = None,
-        *,
-        allow_symlinks: bool = False,
-    ) -> dict[str, Any]:
-        """Load a checkpoint (either format, detected from disk; any world size) into `state`
-        in place; return the checkpoint's entries that `state` did not ask for. Collective.
-        Files are read without running code from them unless `weights_only=False` (only for
-        files you trust); None means True. Every file is checked against its checksums, and a
-        sharded checkpoint reads only files inside its directory (`allow_symlinks=True` lets
-        it follow symlinks there)."""
-        from fullshard.checkpoint import load_checkpoint
-
-        if isinstance(state, Optimizer):
-            raise NotImplementedError(
-                "Loading a single optimizer object from a checkpoint is not supported yet with "
-                "the FSDP strategy: an optimizer's state is keyed by its model's parameter "
-                "names, so load them together: fabric.load(path, {'model': model, "
-                "'optimizer': optimizer})."
-            )
-        if isinstance(state, dict) and not state:
-            state = None  # nothing asked for: the whole checkpoint, as for state=None
-        if isinstance(state, nn.Module):
-            check_raw_path(path)
-        timeout = self._timeout.total_seconds() if self._timeout is not None else 1800.0
-        with uncompiled_entries(state) as state:
-            return load_checkpoint(path, state, strict=strict, timeout=timeout,
-                                   weights_only=weights_only, allow_symlinks=allow_symlinks)
-
     def __repr__(self) -> str:
         return (
             f"FSDPStrategy(sharding_strategy={self._plan.name!r}, "
             f"state_dict_type={self._state_dict_type!r}, "
-            f"precision={self._precision or '32-true'!r})"
+            f"precision={self._precision_name or '32-true'!r})"
         )
 

@@ -59,8 +59,11 @@ class RankPlacement:
         return self.parallel_devices
 
     def _accelerator_type(self) -> str:
+        """'cpu' or 'cuda': the accelerator set (a name here; the Lightning strategy also takes
+        Lightning's accelerator objects), else CUDA when available. Not stored: whoever sets
+        the accelerator later (Fabric) must find it unset."""
         if self.accelerator is None:
-            self.accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+            return "cuda" if torch.cuda.is_available() else "cpu"
         return self.accelerator
 
     @property

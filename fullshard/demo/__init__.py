@@ -85,7 +85,8 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None
     problem = _check_options(args)
     if problem:
         return _fail(problem)
-    from fullshard import Fabric, FSDPStrategy
+    from fullshard import Fabric
+    from fullshard.api.strategy import FSDPStrategy
     from fullshard.demo.config import DemoConfig
     from fullshard.demo.report import format_report, write_figure
     from fullshard.demo.train import train
