@@ -78,7 +78,8 @@ COMPAT_TESTS = \
 # install is then constrained to that torch so pip never replaces it.
 compat:
 	@case "$(TORCH)" in torch==?*) ;; *) \
-	  echo "error: make compat needs TORCH=torch==X.Y.Z, got TORCH='$(TORCH)'" >&2; exit 2;; esac
+	  echo "error: make compat needs an exact torch, e.g. TORCH=torch==2.8.0; got TORCH='$(TORCH)'" >&2; \
+	  exit 2;; esac
 	@test -x $(COMPAT_PY) || $(PYTHON) -m venv $(COMPAT_VENV)
 	@if [ "$$($(COMPAT_PY) -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' \
 	        2>/dev/null)" \
