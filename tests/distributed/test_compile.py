@@ -150,15 +150,17 @@ def _case(how: str, strategy: str, backend: str) -> dict:
 
 
 def _assert_units_compiled(model: nn.Module, root_eager: bool = False) -> None:
-    """Each block's forward compiled in place (an instance attribute dynamo made), the root's
-    not: left as it is by `compile_units`, run under `torch._dynamo.disable` by a compiled
-    model's unwrap (compile_units.py, the root's frame); the names are the unwrapped model's."""
+    """Each block's `forward` replaced in place (an instance attribute); the root's too when
+    `root_eager` (the `torch._dynamo.disable` wrapper of a compiled model's unwrap,
+    compile_units.py), else left as it is; the names are the unwrapped model's. What the
+    wrappers do is asserted by what a user sees, not by dynamo's markers on them (private,
+    and different from one torch version to the next): the steps compile graphs
+    (`graphs_per_step`), and a compiled root compiles exactly the graphs of `compile_units`,
+    none of its own (`test_compiled_root_runs_only_the_units_graphs`)."""
     for block in model.blocks:
-        compiled = block.__dict__.get("forward")
-        assert getattr(compiled, "_torchdynamo_orig_callable", None) is not None, compiled
+        assert callable(block.__dict__.get("forward")), f"block {block} kept its class forward"
     if root_eager:
-        root_forward = model.__dict__["forward"]
-        assert getattr(root_forward, "_torchdynamo_disable_recursive", False), root_forward
+        assert callable(model.__dict__.get("forward")), "the root kept its class forward"
     else:
         assert "forward" not in model.__dict__
     assert not any("_orig_mod" in n for n, _ in model.named_parameters())
