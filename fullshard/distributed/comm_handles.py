@@ -103,8 +103,26 @@ class HeaderCheck(Protocol):
     def check(self) -> None: ...
 
 
+_UNFINISHED: list[tuple[Any, tuple, Any]] = []
+"""What handles dropped unwaited left in flight: (works, tensors, header), kept until done.
+
+[Note: a dropped exchange stays alive]
+A handle may be dropped before it is waited for: a model thrown away after a forward with
+grad leaves the gathers backward would have used in flight. Gloo must not lose a posted
+message: freeing a send or receive before it completes leaves the pair's queue waiting for
+it, and every later exchange between those two ranks hangs until the group's timeout
+(measured: one exchange dropped unwaited, the next one times out). So a handle dropped
+unfinished hands its works, buffers and header here, and they are let go once all are
+complete (checked whenever a handle is dropped unfinished or a new one starts)."""
+
+
+def _let_go_of_finished() -> None:
+    _UNFINISHED[:] = [u for u in _UNFINISHED if not all(w.is_completed() for w in u[0])]
+
+
 class CommHandle:
-    """A collective in flight. `wait()` is idempotent."""
+    """A collective in flight. `wait()` is idempotent; dropped unwaited, its messages stay
+    alive until they complete (see [Note: a dropped exchange stays alive])."""
 
     __slots__ = ("_work", "_on_done", "_refs", "_header", "done")
 
@@ -120,6 +138,18 @@ class CommHandle:
         self._refs = refs  # keeps input/output alive until the collective is complete
         self._header = header  # checked before any data is waited for
         self.done = work is None and on_done is None
+        if _UNFINISHED:
+            _let_go_of_finished()
+
+    def __del__(self) -> None:
+        if self.done:
+            return
+        works = self._work if isinstance(self._work, list) else [self._work]
+        works += getattr(self._header, "works", [])
+        works = [w for w in works if w is not None]
+        if works:
+            _UNFINISHED.append((works, self._refs, self._header))
+            _let_go_of_finished()
 
     def wait(self) -> None:
         if self.done:
