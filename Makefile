@@ -93,7 +93,7 @@ COMPAT_TESTS = \
 	tests/distributed/test_checkpoint_formats.py \
 	tests/distributed/test_restart.py \
 	tests/distributed/test_launch.py \
-	tests/distributed/test_netns_silence.py \
+	tests/distributed/test_netns_heartbeat.py \
 	tests/distributed/test_parity.py \
 	tests/distributed/test_compile.py \
 	--deselect tests/distributed/test_compile.py::test_inductor_parity

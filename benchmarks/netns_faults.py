@@ -9,7 +9,7 @@ or a SIGSTOPped rank does each host's `fullshard run` end, with what code and me
 Each host runs `fullshard run --nnodes 2 --node-rank i --nproc-per-node 1` of the plain `fsdp()`
 loop `tests/distributed/plain_fsdp_loop.py` (gloo over the veths); once both ranks train, the
 fault is made and both launchers are watched for `--watch` seconds, timed from the fault.
-Needs root. The short, bounded cases are tests (tests/distributed/test_netns_silence.py); this
+Needs root. The short, bounded cases are tests (tests/distributed/test_netns_heartbeat.py); this
 script is for the cases that take longer, or hang.
 """
 
@@ -26,12 +26,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tests.distributed.netns import emulated_hosts, fullshard_run, host_env  # noqa: E402
-from tests.distributed.test_netns_silence import (  # noqa: E402
+from tests.distributed.test_netns_heartbeat import (  # noqa: E402
     SCRIPT,
     _wait_ends,
     _wait_training,
 )
+
+from tests.distributed.netns import emulated_hosts, fullshard_run, host_env  # noqa: E402
 
 
 def main() -> None:

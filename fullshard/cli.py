@@ -163,7 +163,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not args.module and not os.path.exists(args.script):
         parser.error(f"the script {args.script!r} does not exist (from {os.getcwd()}); give a "
                      f"path to a Python file, or -m and a module name")
-    from fullshard.launch.silence import SILENCE_VAR, silence_timeout
+    from fullshard.launch.heartbeat import SILENCE_VAR, silence_timeout
 
     env = {}
     if args.silence_timeout is not None:  # the workers (and the launchers) read it

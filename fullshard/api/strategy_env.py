@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fullshard.distributed.environment import ClusterEnvironment, detect_environment
-from fullshard.distributed.mesh import destroy_process_group_at_exit
+from fullshard.launch.subprocess_script import destroy_process_group_at_exit
 
 
 class RankPlacement:
@@ -193,7 +193,7 @@ class RankPlacement:
     def teardown(self) -> None:
         """End the run in this process: stop the launcher's watch threads and the heartbeat
         (they would outlive the run otherwise) and destroy the process group."""
-        from fullshard.launch.silence import stop_heartbeat
+        from fullshard.launch.heartbeat import stop_heartbeat
         from fullshard.launch.subprocess_script import stop_watch_threads
 
         stop_heartbeat()

@@ -9,14 +9,13 @@ consecutive ranks (one node, when S is the ranks per node), as `init_device_mesh
 
 from __future__ import annotations
 
-import gc
 import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from fullshard.config import ShardingPlan
-from fullshard.distributed.comm import Group, barrier
+from fullshard.distributed.comm import Group
 
 
 @dataclass(frozen=True)
@@ -134,24 +133,3 @@ def _from_device_mesh(device_mesh: object, world: Group) -> ShardMesh:
 def _single(world: Group) -> Group:
     """A one-member group: collectives on it are local no-ops, never sent."""
     return Group(pg=None, size=1, rank=0, ranks=(dist.get_rank(),), backend=world.backend)
-
-
-def destroy_process_group_at_exit() -> None:
-    """An `atexit` handler for a group fullshard initialized. At a normal exit: wait for every
-    rank, then tear the group down, so no rank closes its connections while a peer still
-    talks to it. After a failure: just tear down."""
-    from fullshard.launch.silence import stop_heartbeat
-    from fullshard.launch.subprocess_script import launcher_ends_this_process, rank_failed
-
-    if not (dist.is_available() and dist.is_initialized()) or launcher_ends_this_process():
-        return
-    try:
-        if not rank_failed():
-            barrier(Group.from_process_group(None))
-    except Exception:  # noqa: BLE001 - a peer is gone; nothing left to wait for
-        pass
-    stop_heartbeat()  # after the barrier: a peer silent in it is still detected
-    # Free finished Works and the tensors they hold while the interpreter can still take
-    # them: freed by gloo's threads during finalization, they abort the process.
-    gc.collect()
-    dist.destroy_process_group()

@@ -17,7 +17,7 @@ what `mark_forward_method` does for a method of the root, here for any call that
 model below its root. Inside the root's forward the units are installed and the hooks
 return at once.
 
-Inside backward (a recomputation) the hooks do nothing: checkpointing.py owns that case.
+Inside backward (a recomputation) the hooks do nothing: activation_checkpoint.py owns that case.
 Under torch.compile the hooks are traced as no-ops: within a compiled forward the enclosing
 units' own (eager) hooks have installed them already. (A compiled entry point called on its
 own is not covered.)

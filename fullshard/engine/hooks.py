@@ -84,7 +84,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from fullshard.config import ShardingPlan
 from fullshard.distributed.mesh import ShardMesh
 from fullshard.engine.bucket import Bucket, PendingReduction, issue_reductions
-from fullshard.engine.precision import cast_floating
+from fullshard.engine.mixed_precision import cast_floating
 from fullshard.engine.saved_params import SavedParams
 from fullshard.engine.small_units import gather_batch_bytes, reduce_batch_bytes
 from fullshard.engine.thunder_refusal import refuse_thunder_trace
@@ -226,7 +226,7 @@ class Runtime:
     def gather_for_recompute(self, unit: Unit) -> None:
         """Activation checkpointing: gather and install `unit` for a recomputation that runs
         outside its hooks -- an enclosing unit whose parameters the checkpointed region reads
-        (see checkpointing.py). Installed as for the unit's own recomputation: trainable
+        (see activation_checkpoint.py). Installed as for the unit's own recomputation: trainable
         tensors require grad, so the recomputed ops save exactly what the original forward
         saved (non-reentrant checkpoint checks), and a reentrant checkpoint's nested backward
         hands their gradients to `recomputed_backward`. Released by the unit's own last node,

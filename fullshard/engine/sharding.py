@@ -33,16 +33,15 @@ from torch import nn
 from fullshard.config import FSDPBucketingStrategy, MixedPrecision, ShardingPlan
 from fullshard.distributed import comm
 from fullshard.distributed.mesh import ShardMesh
+from fullshard.engine.activation_checkpoint import apply_activation_checkpointing
 from fullshard.engine.bucket import Bucket
-from fullshard.engine.checkpointing import apply_activation_checkpointing
 from fullshard.engine.eager import register_unit_hooks
 from fullshard.engine.full_state import register_sharded_loading
 from fullshard.engine.hooks import Runtime
 from fullshard.engine.ignored import Ignored
 from fullshard.engine.layout import ShardLayout
 from fullshard.engine.materialize import materialize_unit
-from fullshard.engine.module import mark_wrapped
-from fullshard.engine.precision import (
+from fullshard.engine.mixed_precision import (
     bucket_dtypes,
     buffer_dtype,
     full_precision_ids,
@@ -51,6 +50,7 @@ from fullshard.engine.precision import (
     keeps_low_precision_grads,
     unit_input_dtypes,
 )
+from fullshard.engine.module import mark_wrapped
 from fullshard.engine.sharded_param import ShardedParam
 from fullshard.engine.unit import Unit
 from fullshard.engine.wrap import ParamOwnership, assign_params, choose_units, select_units

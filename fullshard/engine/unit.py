@@ -32,7 +32,7 @@ no saved-tensor hooks (checkpoint's own hooks must see the recomputed tensors), 
 through `RecomputedParams` (below) and does not release after forward: backward is using the
 unit, and its `GatheredParams.backward` releases it as always. A checkpointed region that is
 not itself a unit reads the parameters of the units enclosing it, whose hooks do not run
-again: checkpointing.py gathers and installs those (`Runtime.gather_for_recompute`).
+again: activation_checkpoint.py gathers and installs those (`Runtime.gather_for_recompute`).
 
 What the recomputed graph is for depends on the checkpoint flavour, and the unit cannot tell
 them apart:

@@ -10,14 +10,14 @@ seconds, not after the 30-minute collective timeout):
   `os._exit`, a signal such as SIGKILL) it prints which rank failed and how, ends the other
   children (SIGTERM, then SIGKILL) and exits the whole launch with status 1;
 - when rank 0 itself fails, its exit handler names it (or a child that failed first, whose
-  death is what usually makes rank 0 fail: the ranks' failure records, `failures.py`, say
+  death is what usually makes rank 0 fail: the ranks' failure records, `failure_records.py`, say
   which came first) and ends the children before exiting;
 - every child polls its parent: if rank 0 disappears (even SIGKILLed, when no handler can
   run), the child says so and exits at once; a worker of `fullshard run` dies with that
   launcher too (`_die_with_agent`);
-- every rank runs a heartbeat (`silence.py`): a rank that stops answering without dying
+- every rank runs a heartbeat (`heartbeat.py`): a rank that stops answering without dying
   (SIGSTOP, a cut link) makes the others fail within a bound, naming it;
-- a rank that fails posts its failure on the failure board (`board.py`); across nodes, a
+- a rank that fails posts its failure on the failure board (`failure_board.py`); across nodes, a
   rank that merely lost its connection to a dead peer waits a moment for the board to name
   the cause, and says it;
 - at a normal end rank 0 waits for its children and exits non-zero if any of them failed.
@@ -26,6 +26,7 @@ seconds, not after the 30-minute collective timeout):
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import signal
 import subprocess
@@ -35,9 +36,12 @@ import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import torch.distributed as dist
+
+from fullshard.distributed.comm import Group, barrier
 from fullshard.distributed.environment import ClusterEnvironment
-from fullshard.launch import board, failures
-from fullshard.launch.silence import start_heartbeat
+from fullshard.launch import failure_board, failure_records
+from fullshard.launch.heartbeat import start_heartbeat, stop_heartbeat
 
 _PARENT_PID_VAR = "FULLSHARD_LAUNCHER_PID"
 AGENT_PID_VAR = "FULLSHARD_AGENT_PID"  # set by `fullshard run` for its workers
@@ -66,7 +70,7 @@ def describe_exit(code: int) -> str:
 def install_rank_hooks(global_rank: int, local_rank: int) -> None:
     """Name this rank when it dies of an uncaught exception; in a child of our launcher, also
     exit as soon as the launching process (rank 0, or `fullshard run`) is gone; start the
-    heartbeat (`silence.py`). Call after the process group exists. Idempotent."""
+    heartbeat (`heartbeat.py`). Call after the process group exists. Idempotent."""
     global _HOOKED_RANK
     if _HOOKED_RANK is not None:
         return
@@ -77,22 +81,22 @@ def install_rank_hooks(global_rank: int, local_rank: int) -> None:
         global _FAILED
         _FAILED = True
         first = None
-        cause = board.brief(short(exc))
+        cause = failure_board.brief(short(exc))
         if exc_type is not KeyboardInterrupt:  # first, before the slow traceback printing
-            board.post_own_failure(global_rank, local_rank, "raised", cause)
-            if board.spans_nodes() and board.looks_like_lost_peer(cause):
+            failure_board.post_own_failure(global_rank, local_rank, "raised", cause)
+            if failure_board.spans_nodes() and failure_board.looks_like_lost_peer(cause):
                 # A consequence: wait a moment for the board to name the cause (a rank of
                 # another node, posted by itself or, killed by a signal, by its launcher).
-                first = board.wait_for_cause(global_rank)
+                first = failure_board.wait_for_cause(global_rank)
             if _launcher_gone():  # nobody will read a record: leave no directory behind
-                failures.remove_failure_directory(os.environ.get(failures.FAILURE_DIR_VAR))
+                failure_records.remove_failure_directory(os.environ.get(failure_records.FAILURE_DIR_VAR))
             else:
-                failures.record_failure(global_rank, local_rank, cause,
+                failure_records.record_failure(global_rank, local_rank, cause,
                                         first=first.describe() if first else "")
         previous(exc_type, exc, tb)
         if exc_type is not KeyboardInterrupt and not _LAUNCHING_PARENT:
             after = f", after {first.describe()} (the first failure)" if first else ""
-            failures.say_last_words(
+            failure_records.say_last_words(
                 f"rank {global_rank} (local rank {local_rank}, pid {os.getpid()}) failed with "
                 f"{cause}{after}"
             )
@@ -106,7 +110,7 @@ def install_rank_hooks(global_rank: int, local_rank: int) -> None:
     agent = os.environ.get(AGENT_PID_VAR)
     if agent and agent.isdigit() and int(agent) == os.getppid():
         _die_with_agent(int(agent), global_rank)
-    board.open_board()
+    failure_board.open_board()
     start_heartbeat(global_rank, local_rank)
 
 
@@ -155,6 +159,24 @@ def launcher_ends_this_process() -> bool:
     return _FAILED and _LAUNCHING_PARENT
 
 
+def destroy_process_group_at_exit() -> None:
+    """An `atexit` handler for a group fullshard initialized. At a normal exit: wait for every
+    rank, then tear the group down, so no rank closes its connections while a peer still
+    talks to it. After a failure: just tear down."""
+    if not (dist.is_available() and dist.is_initialized()) or launcher_ends_this_process():
+        return
+    try:
+        if not rank_failed():
+            barrier(Group.from_process_group(None))
+    except Exception:  # noqa: BLE001 - a peer is gone; nothing left to wait for
+        pass
+    stop_heartbeat()  # after the barrier: a peer silent in it is still detected
+    # Free finished Works and the tensors they hold while the interpreter can still take
+    # them: freed by gloo's threads during finalization, they abort the process.
+    gc.collect()
+    dist.destroy_process_group()
+
+
 def short(exc: BaseException, limit: int = 300) -> str:
     """`Type: first line of the message`, at most `limit` characters."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -192,10 +214,10 @@ def _die_with_agent(agent_pid: int, global_rank: int) -> None:
 def _watch_parent(parent_pid: int, global_rank: int, who: str, stopped: threading.Event) -> None:
     while not stopped.is_set():
         if os.getppid() != parent_pid:
-            failures.say_last_words(
+            failure_records.say_last_words(
                 f"rank {global_rank} (pid {os.getpid()}): {who} is gone; exiting.")
             # A SIGKILLed launcher cleaned nothing up; its failure records have no reader.
-            failures.remove_failure_directory(os.environ.get(failures.FAILURE_DIR_VAR))
+            failure_records.remove_failure_directory(os.environ.get(failure_records.FAILURE_DIR_VAR))
             os._exit(1)
         stopped.wait(_POLL_S)
 
@@ -248,7 +270,7 @@ class SubprocessScriptLauncher:
             LOCAL_WORLD_SIZE=str(self.num_processes),
         )
         command = _current_command()
-        self._failure_dir = failures.make_failure_directory()  # before the children copy env
+        self._failure_dir = failure_records.make_failure_directory()  # before the children copy env
         for local_rank in range(1, self.num_processes):
             child_env = dict(os.environ)
             child_env.update(
@@ -300,9 +322,9 @@ class SubprocessScriptLauncher:
             self._ending = True
         if not first:
             self._await_end(status)
-        failures.say_last_words(message)
+        failure_records.say_last_words(message)
         self._stop_children()
-        failures.remove_failure_directory(self._failure_dir)
+        failure_records.remove_failure_directory(self._failure_dir)
         os._exit(status)
 
     def _stop_children(self) -> None:
@@ -329,7 +351,7 @@ class SubprocessScriptLauncher:
         (killed by a signal, `os._exit`) is named if it has exited non-zero within a moment."""
         by_rank = {self._global_rank(local_rank): (local_rank, proc)
                    for local_rank, proc in self.children}
-        record = failures.first_failure(self._failure_dir, among=by_rank)
+        record = failure_records.first_failure(self._failure_dir, among=by_rank)
         if record is not None and record.time <= self._rank0_failed_at:
             local_rank, proc = by_rank[record.rank]
             try:
@@ -356,7 +378,7 @@ class SubprocessScriptLauncher:
         under load ended with no reason printed, or left an empty records directory). Past a
         bound the ending thread is taken as stuck, and this one finishes the job."""
         time.sleep(_TERM_GRACE_S + _END_WAIT_S)
-        failures.remove_failure_directory(self._failure_dir)
+        failure_records.remove_failure_directory(self._failure_dir)
         os._exit(status)
 
     def _at_exit(self) -> None:
@@ -378,7 +400,7 @@ class SubprocessScriptLauncher:
         # A normal end: wait for the children (the watchdog still ends everything on failure).
         for _, proc in self.children:
             proc.wait()
-        failures.remove_failure_directory(self._failure_dir)
+        failure_records.remove_failure_directory(self._failure_dir)
         failed = self._failed_child()
         if failed is not None:
             local_rank, proc, code = failed

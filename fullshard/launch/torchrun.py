@@ -11,8 +11,8 @@ a second, and a short shutdown timeout so a stuck worker is killed within second
 One node: `--standalone` (a rendezvous on a free local port) unless a master port is given.
 Several nodes: the static rendezvous at `--master-addr:--master-port`, one invocation per node
 with its `--node-rank`. The rank named as the first failure is this node's earliest recorded
-one (`fullshard.launch.failures`); on several nodes, the first real failure on the failure
-board (`fullshard.launch.board`) when it is another node's: each launcher posts there the
+one (`fullshard.launch.failure_records`); on several nodes, the first real failure on the failure
+board (`fullshard.launch.failure_board`) when it is another node's: each launcher posts there the
 workers that died without a word (a signal), the workers post their own exceptions.
 
 Restarts (`--max-restarts K`). torchelastic lets the workers share its rendezvous store and
@@ -28,7 +28,7 @@ enough on its own:
   itself on several nodes keeps torch's behaviour.
 
 Silence between attempts (several nodes): the ranks' heartbeat does not run while a restarted
-attempt forms its process group, so the launchers beat too (`node_silence.py`): a node cut off
+attempt forms its process group, so the launchers beat too (`node_heartbeat.py`): a node cut off
 before or during a restart ends the job within the silence bound plus a grace.
 """
 
@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-from fullshard.launch import board, failures, node_silence, silence
+from fullshard.launch import failure_board, failure_records, heartbeat, node_heartbeat
 from fullshard.launch.subprocess_script import AGENT_PID_VAR
 
 
@@ -110,13 +110,13 @@ def _run(argv: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
-    directory = failures.make_failure_directory()  # the workers inherit it
+    directory = failure_records.make_failure_directory()  # the workers inherit it
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # see the module doc
     os.environ[AGENT_PID_VAR] = str(os.getpid())  # the workers die with this process
-    watch = node_silence.watch_nodes(
+    watch = node_heartbeat.watch_nodes(
         _option(argv, "--master-addr"), _option(argv, "--master-port"),
         int(_option(argv, "--node-rank") or 0), int(_option(argv, "--nnodes") or 1),
-        silence.silence_timeout())
+        heartbeat.silence_timeout())
     try:
         try:
             torchrun_main(list(argv))
@@ -135,7 +135,7 @@ def _run(argv: Sequence[str]) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
-        failures.remove_failure_directory(directory)
+        failure_records.remove_failure_directory(directory)
     sys.stdout.flush()
     return 0
 
@@ -156,7 +156,7 @@ def _option(argv: Sequence[str], name: str) -> str | None:
 
 def _first_failure_on_board(error: Any, argv: Sequence[str], directory: str) -> Any | None:
     """Several nodes: post this node's workers that died without a word on the failure board
-    (`board.py`), and return the board's first failure when it is a real one of another
+    (`failure_board.py`), and return the board's first failure when it is a real one of another
     node (a rank of this node that failed first is named by `_first_failure`). With node 0's
     launcher gone, the board is unreachable: then what this node's ranks learned from it
     (their records' `first`) is all there is, and `_first_failure` says that."""
@@ -164,22 +164,22 @@ def _first_failure_on_board(error: Any, argv: Sequence[str], directory: str) -> 
     addr, port = _option(argv, "--master-addr"), _option(argv, "--master-port")
     if nnodes < 2 or not addr or not port:
         return None
-    records = failures.read_failures(directory)
+    records = failure_records.read_failures(directory)
     mute = [r for r, f in error.failures.items()
             if r not in records and f.exitcode != -signal.SIGTERM]
     if node != 0 and not mute and any(rec.first for rec in records.values()):
         return None  # nothing to post, and this node's ranks learned the cause already
     # torchelastic raises ChildFailedError only once the restarts are spent: the failing
     # attempt is the last one, number --max-restarts.
-    found = board.launcher_board(addr, int(port), int(_option(argv, "--max-restarts") or 0))
+    found = failure_board.launcher_board(addr, int(port), int(_option(argv, "--max-restarts") or 0))
     if found is None:
         return None
-    first = board.first_posted(board.publish_for_workers(found, error, node=node))
+    first = failure_board.first_posted(failure_board.publish_for_workers(found, error, node=node))
     deadline = time.monotonic() + _BOARD_WAIT_S
     while (first is None or first.consequence) and time.monotonic() < deadline:
         time.sleep(0.2)  # the cause's launcher may not have posted yet
         try:
-            first = board.first_posted(found.read())
+            first = failure_board.first_posted(found.read())
         except Exception:  # noqa: BLE001 - node 0's store is gone
             break
     if first is None or first.consequence or first.node == node:
@@ -207,7 +207,7 @@ def _first_failure(error: Any, directory: str) -> str:
       earliest of those by torchelastic's timestamps is named;
     - otherwise the earliest failure record (sub-second times) is named;
     - with neither, torchelastic's pick stands."""
-    records = failures.read_failures(directory)
+    records = failure_records.read_failures(directory)
     silent = {rank: f for rank, f in error.failures.items()
               if rank not in records and f.exitcode != -signal.SIGTERM}
     recorded = [records[rank] for rank in error.failures if rank in records]
@@ -219,7 +219,7 @@ def _first_failure(error: Any, directory: str) -> str:
         rank, cause = first.rank, f": {first.error}"
         learned = [rec.first for rec in recorded if rec.first]
         # it lost a peer of another node, and the board named that peer's failure
-        if learned and (first.first or board.looks_like_lost_peer(first.error)):
+        if learned and (first.first or failure_board.looks_like_lost_peer(first.error)):
             return f"{learned[0]} (the first failure, on another node){_local_note(error)}"
     else:
         rank, _ = error.get_first_failure()

@@ -66,7 +66,7 @@ from fullshard.config import (
     resolve_precision,
 )
 from fullshard.engine.layout import ShardLayout
-from fullshard.engine.precision import bucket_dtypes
+from fullshard.engine.mixed_precision import bucket_dtypes
 from fullshard.engine.sharding import unit_specs
 from fullshard.engine.wrap import describe_unit_classes
 

@@ -117,12 +117,12 @@ def test_run_distributed_one_shot() -> None:
     assert [t.item() for t in run_distributed(_all_reduce_ranks, 2)] == [3.0, 3.0]
 
 
-# -- silence: a rank that stops answering without dying (fullshard.launch.silence) ----------
+# -- silence: a rank that stops answering without dying (fullshard.launch.heartbeat) ----------
 def _go_silent(stop_rank: int, bound: float, path: str) -> int:
     import signal
 
-    from fullshard.launch.failures import FAILURE_DIR_VAR
-    from fullshard.launch.silence import start_heartbeat
+    from fullshard.launch.failure_records import FAILURE_DIR_VAR
+    from fullshard.launch.heartbeat import start_heartbeat
 
     os.environ[FAILURE_DIR_VAR] = os.path.dirname(path)  # where the verdict is recorded
     assert start_heartbeat(dist.get_rank(), dist.get_rank(), timeout=bound)
@@ -144,7 +144,7 @@ def test_a_silent_rank_fails_the_others_in_the_bound(group2: DistributedGroup, t
                                                     stop_rank: int, said: str) -> None:
     import re
 
-    from fullshard.launch.failures import read_failures
+    from fullshard.launch.failure_records import read_failures
 
     with pytest.raises(RankFailure) as info:
         group2.run(_go_silent, stop_rank, 3.0, str(tmp_path / "t"), timeout=120)

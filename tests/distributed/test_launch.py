@@ -138,20 +138,20 @@ def test_environment_detection(monkeypatch) -> None:
 
 # -- which failure came first ----------------------------------------------------------------
 def test_failure_records_order_the_ranks(tmp_path: Path, monkeypatch) -> None:
-    from fullshard.launch import failures
+    from fullshard.launch import failure_records
 
-    monkeypatch.delenv(failures.FAILURE_DIR_VAR, raising=False)
-    failures.record_failure(0, 0, "no directory: nothing written")  # and no error
-    assert failures.first_failure(None) is None
-    monkeypatch.setenv(failures.FAILURE_DIR_VAR, str(tmp_path))
-    failures.record_failure(1, 1, "RuntimeError: injected")
+    monkeypatch.delenv(failure_records.FAILURE_DIR_VAR, raising=False)
+    failure_records.record_failure(0, 0, "no directory: nothing written")  # and no error
+    assert failure_records.first_failure(None) is None
+    monkeypatch.setenv(failure_records.FAILURE_DIR_VAR, str(tmp_path))
+    failure_records.record_failure(1, 1, "RuntimeError: injected")
     time.sleep(0.01)
-    failures.record_failure(0, 0, "RuntimeError: Connection closed by peer")
+    failure_records.record_failure(0, 0, "RuntimeError: Connection closed by peer")
     (tmp_path / "rank-7.json").write_text("{half a rec")  # unreadable: skipped
-    records = failures.read_failures(str(tmp_path))
+    records = failure_records.read_failures(str(tmp_path))
     assert sorted(records) == [0, 1] and records[1].error == "RuntimeError: injected"
-    assert failures.first_failure(str(tmp_path)).rank == 1
-    assert failures.first_failure(str(tmp_path), among=[0]).rank == 0
+    assert failure_records.first_failure(str(tmp_path)).rank == 1
+    assert failure_records.first_failure(str(tmp_path), among=[0]).rank == 0
     assert not list(tmp_path.glob("*.tmp"))
 
     # a SIGKILLed launcher's directory (its pid is gone) is removed by the next launch;
@@ -160,7 +160,7 @@ def test_failure_records_order_the_ranks(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    where = failures._pid_space()
+    where = failure_records._pid_space()
     orphan = tmp_path / f"fullshard-failures-{where}.{dead.pid}-abc123"
     kept = [tmp_path / f"fullshard-failures-{where}.{os.getppid()}-def456",
             tmp_path / f"fullshard-failures-0badc0de.{dead.pid}-jkl012",
@@ -168,12 +168,12 @@ def test_failure_records_order_the_ranks(tmp_path: Path, monkeypatch) -> None:
     for d in (orphan, *kept):
         d.mkdir()
     (orphan / "rank-1.json").write_text("{}")
-    made = failures.make_failure_directory()
-    assert os.environ[failures.FAILURE_DIR_VAR] == made and os.path.isdir(made)
+    made = failure_records.make_failure_directory()
+    assert os.environ[failure_records.FAILURE_DIR_VAR] == made and os.path.isdir(made)
     assert Path(made).name.startswith(f"fullshard-failures-{where}.{os.getpid()}-")
     assert not orphan.exists() and all(d.is_dir() for d in kept)
-    failures.remove_failure_directory(made)
-    assert not os.path.exists(made) and failures.FAILURE_DIR_VAR not in os.environ
+    failure_records.remove_failure_directory(made)
+    assert not os.path.exists(made) and failure_records.FAILURE_DIR_VAR not in os.environ
 
 
 def test_fullshard_run_names_the_first_failure_not_torchelastics_tie(tmp_path: Path,
@@ -184,7 +184,7 @@ def test_fullshard_run_names_the_first_failure_not_torchelastics_tie(tmp_path: P
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from fullshard.launch import failures
+    from fullshard.launch import failure_records
     from fullshard.launch.torchrun import _first_failure
 
     def failed(**codes: int) -> ChildFailedError:
@@ -196,10 +196,10 @@ def test_fullshard_run_names_the_first_failure_not_torchelastics_tie(tmp_path: P
     directory = str(tmp_path)
     # Nothing recorded: torchelastic's pick.
     assert _first_failure(failed(r0=1, r1=1), directory).startswith("rank 0 (local rank 0")
-    monkeypatch.setenv(failures.FAILURE_DIR_VAR, directory)
-    failures.record_failure(1, 1, "RuntimeError: injected failure on rank 1")
+    monkeypatch.setenv(failure_records.FAILURE_DIR_VAR, directory)
+    failure_records.record_failure(1, 1, "RuntimeError: injected failure on rank 1")
     time.sleep(0.01)
-    failures.record_failure(0, 0, "RuntimeError: Connection closed by peer")
+    failure_records.record_failure(0, 0, "RuntimeError: Connection closed by peer")
     said = _first_failure(failed(r0=1, r1=1), directory)
     assert said == ("rank 1 (local rank 1, pid 101) exited with code 1 (the first failure: "
                     "RuntimeError: injected failure on rank 1)")
@@ -350,11 +350,11 @@ def test_a_sigkilled_fullshard_run_takes_its_workers_with_it(tmp_path: Path) -> 
 
 _ENDING_WHILE_MAIN_EXITS = """
 import atexit, os, sys, threading, time
-from fullshard.launch import failures, subprocess_script
+from fullshard.launch import failure_records, subprocess_script
 from fullshard.launch.subprocess_script import SubprocessScriptLauncher
 
 launcher = SubprocessScriptLauncher(None, num_processes=2, num_nodes=1)
-launcher._failure_dir = failures.make_failure_directory()
+launcher._failure_dir = failure_records.make_failure_directory()
 print(launcher._failure_dir, flush=True)
 # The watchdog ends the launch; stopping its children takes a while (their SIGTERM grace).
 launcher._stop_children = lambda: time.sleep(1.0)
@@ -381,11 +381,11 @@ def test_the_main_thread_lets_an_ending_watchdog_finish(tmp_path: Path) -> None:
 
 _NODE_BACKSTOP = """
 import os, sys, types
-from fullshard.launch import failures
-from fullshard.launch.node_silence import _NodeHeartbeat
+from fullshard.launch import failure_records
+from fullshard.launch.node_heartbeat import _NodeHeartbeat
 
-failures.make_failure_directory()
-failures.record_failure(1, 0, "SilentRank: the store has not answered for 11 s")
+failure_records.make_failure_directory()
+failure_records.record_failure(1, 0, "SilentRank: the store has not answered for 11 s")
 _NodeHeartbeat._fail(types.SimpleNamespace(me=1), "the job's store has not answered for 15 s")
 """
 

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from fullshard.cli import main as cli_main
-from fullshard.launch.silence import SILENCE_VAR
+from fullshard.launch.heartbeat import SILENCE_VAR
 from tests.distributed.test_fabric import ROOT, child_env
 
 SCRIPT = ROOT / "tests/distributed/env_report.py"

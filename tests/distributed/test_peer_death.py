@@ -1,7 +1,7 @@
 """A rank that dies mid-forward (SIGKILL from inside a unit's forward, prefetched gathers in
 flight) ends the job on every other rank and every node within a bound measured from the
 death, and each launcher names the real first failure -- across nodes too, for a plain
-`fsdp()` script (`fullshard.launch.board`).
+`fsdp()` script (`fullshard.launch.failure_board`).
 
 The nodes are several `fullshard run --nnodes N --node-rank K` launchers on this machine over
 127.0.0.1: each launcher sees only its own workers, exactly as on separate hosts.

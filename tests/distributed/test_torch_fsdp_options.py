@@ -560,7 +560,7 @@ def _size_based(min_num_params: int) -> dict:
         apply_activation_checkpointing,
     )
 
-    from fullshard.engine.checkpointing import _checkpointed_forward
+    from fullshard.engine.activation_checkpoint import _checkpointed_forward
 
     policy = functools.partial(size_based_auto_wrap_policy, min_num_params=min_num_params)
     torch.manual_seed(0)

@@ -1,9 +1,9 @@
-"""The failure board's choice of the first real failure (`fullshard.launch.board`), without
+"""The failure board's choice of the first real failure (`fullshard.launch.failure_board`), without
 processes: a real exception beats a death by signal, which beats a lost connection."""
 
 from __future__ import annotations
 
-from fullshard.launch.board import Posted, brief, first_posted, looks_like_lost_peer
+from fullshard.launch.failure_board import Posted, brief, first_posted, looks_like_lost_peer
 
 GLOO = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] "
         "Read error [127.0.0.1]:1200: Connection reset by peer. This is typically caused by a "

@@ -435,7 +435,7 @@ def test_checkpointing_keeps_only_block_inputs():
 
 
 def test_checkpoint_every_policy_picks_what_the_search_priced():
-    from fullshard.engine.checkpointing import _checkpointed_modules
+    from fullshard.engine.activation_checkpoint import _checkpointed_modules
     from fullshard.planner.search import CheckpointEvery
     from fullshard.testing.models import Block
 

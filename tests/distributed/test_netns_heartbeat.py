@@ -4,7 +4,7 @@ rank is SIGSTOPped, must end the job: the surviving host's rank fails within the
 (timed from the cut / the stop), naming the silent rank, and its launcher exits non-zero --
 instead of waiting in a collective for gloo's 30-minute timeout. Under `--max-restarts` the
 cut also ends the job: the restarted attempt cannot form its process group, and the launchers'
-own heartbeat (`node_silence.py`) ends both nodes, each naming the other side, and leaves no
+own heartbeat (`node_heartbeat.py`) ends both nodes, each naming the other side, and leaves no
 worker behind."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from fullshard.launch.node_silence import LAUNCHER_GRACE_S
+from fullshard.launch.node_heartbeat import LAUNCHER_GRACE_S
 from tests.distributed.netns import ROOT, emulated_hosts, fullshard_run, host_env
 
 SCRIPT = Path(__file__).with_name("plain_fsdp_loop.py")

@@ -1,4 +1,4 @@
-"""Hang detection is never off without a word (`fullshard.launch.silence`, issue 40).
+"""Hang detection is never off without a word (`fullshard.launch.heartbeat`, issue 40).
 
 Its heartbeat needs a second connection to the process group's store. A store that cannot
 give one -- here a store written in Python, which has no `clone()`, over a real FileStore, on
@@ -6,7 +6,7 @@ two real ranks -- leaves detection off, and each rank says so once, naming why a
 lost; training goes on. On a torch without `Store.clone()` a TCPStore gets a new client of its
 own instead (`tcp_client`), checked here against a real TCPStore server.
 
-Run as a script (`python -m tests.distributed.test_silence_store RANK FILE`) it is one rank."""
+Run as a script (`python -m tests.distributed.test_heartbeat_store RANK FILE`) it is one rank."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fullshard.launch.silence import SILENCE_VAR, start_heartbeat, tcp_client
+from fullshard.launch.heartbeat import SILENCE_VAR, start_heartbeat, tcp_client
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,7 +80,7 @@ def _rank(rank: int, file: str) -> dict:
 
 
 def test_hang_detection_that_cannot_start_says_so_once(tmp_path) -> None:
-    ranks = [subprocess.Popen([sys.executable, "-m", "tests.distributed.test_silence_store",
+    ranks = [subprocess.Popen([sys.executable, "-m", "tests.distributed.test_heartbeat_store",
                                str(r), str(tmp_path / "store")], cwd=ROOT, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for r in range(2)]

@@ -41,7 +41,7 @@ class FailureRecord:
     error: str
     first: str = ""
     """When this rank failed because it lost a peer: the failure of another node's rank that
-    the board (`board.py`) names as the first, described; else empty."""
+    the board (`failure_board.py`) names as the first, described; else empty."""
 
 
 def record_failure(rank: int, local_rank: int, error: str, *, first: str = "") -> None:

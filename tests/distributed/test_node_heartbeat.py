@@ -1,10 +1,10 @@
-"""The launchers' heartbeat (`fullshard.launch.node_silence`), on real processes and a real
+"""The launchers' heartbeat (`fullshard.launch.node_heartbeat`), on real processes and a real
 TCPStore: two "launchers" (processes that run `watch_nodes` as `fullshard run` does, each with
 a worker child in a session of its own, as torchelastic starts them). A launcher that goes
 silent (SIGSTOP) makes the other one name it, kill its worker and exit 1 within the bound plus
 the launchers' grace, timed from the stop; a launcher that ends on purpose is never called
 silent. The whole path across emulated hosts, a cut link under `--max-restarts`, is in
-`test_netns_silence.py`."""
+`test_netns_heartbeat.py`."""
 
 from __future__ import annotations
 
@@ -20,14 +20,14 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from fullshard.launch.node_silence import LAUNCHER_GRACE_S
+from fullshard.launch.node_heartbeat import LAUNCHER_GRACE_S
 from tests.distributed.test_fabric import ROOT, child_env
 
 BOUND_S = 1.0
 SLACK_S = 10.0  # a loaded machine: a beat interval, a Python exit
 LAUNCHER = textwrap.dedent("""
     import subprocess, sys, time
-    from fullshard.launch.node_silence import watch_nodes
+    from fullshard.launch.node_heartbeat import watch_nodes
     import os
     port, node, pid_file, end_file = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     watch = watch_nodes("127.0.0.1", str(port), node, 2, {bound})

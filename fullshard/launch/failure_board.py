@@ -1,7 +1,7 @@
 """The failure board: failures published in the job's store, so every rank and every node's
 launcher can name the first real failure, not just the ones on its own host.
 
-A rank's failure record (`failures.py`) is a file its own launcher reads: across hosts, the
+A rank's failure record (`failure_records.py`) is a file its own launcher reads: across hosts, the
 survivors see only gloo's "Connection reset by peer" and node 0's launcher named its own rank
 0 as the first failure. So failures are also posted in the store every rank already reaches:
 

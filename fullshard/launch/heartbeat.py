@@ -15,7 +15,7 @@ store's answers, since a store op to a stopped host can block with no timeout:
 - a store that does not answer for `bound` seconds means its host (rank 0's, or node 0's
   launcher) is silent or cut off;
 - a failing rank says which rank, host and pid went silent, writes a failure record
-  (`failures.py`), posts it on the failure board (`board.py`) and exits with status 1
+  (`failure_records.py`), posts it on the failure board (`failure_board.py`) and exits with status 1
   (`os._exit`: the main thread is blocked in a collective that cannot be interrupted), so the
   launcher stops the rest;
 - where the peers span several nodes, the heartbeat also reads the failure board every
@@ -40,7 +40,7 @@ rank is marked done first (`_at_exit`), and `stop_heartbeat` (after fullshard's 
 or from `FSDPStrategy.teardown`) stops and joins both threads.
 
 The beat, the watch and the verdict (`Heartbeat`) serve the launchers of a multi-node job too,
-one member per node (`node_silence.py`); what a rank adds, the failure board and its way of
+one member per node (`node_heartbeat.py`); what a rank adds, the failure board and its way of
 failing, is `_RankHeartbeat`.
 """
 
@@ -56,7 +56,7 @@ import warnings
 from datetime import timedelta
 from typing import Any
 
-from fullshard.launch import board, failures
+from fullshard.launch import failure_board, failure_records
 
 SILENCE_VAR = "FULLSHARD_SILENCE_TIMEOUT"
 DEFAULT_SILENCE_S = 60.0
@@ -102,7 +102,7 @@ class _HeartbeatThread(threading.Thread):
 class Heartbeat:
     """The beat, the watch and the verdict over one store, for the members `0..world-1` of a
     job: the ranks of a process group (`_RankHeartbeat`) or the launchers of the nodes
-    (`node_silence.py`). Member 0 watches everyone, the others watch member 0 and read its
+    (`node_heartbeat.py`). Member 0 watches everyone, the others watch member 0 and read its
     verdict; `_fail(verdict)` is what a member does when it finds one silent (it must not
     return normally: it ends the process)."""
 
@@ -120,7 +120,7 @@ class Heartbeat:
         self.threads = [_HeartbeatThread(self, self._loop, self.thread_name),
                         _HeartbeatThread(self, self._judge, f"{self.thread_name}-judge")]
         self._seen: dict[int, tuple[int, float]] = {}  # peer -> (counter, when it moved)
-        self.board: board.Board | None = None  # read by `_loop` when set (`_RankHeartbeat`)
+        self.board: failure_board.Board | None = None  # read by `_loop` when set (`_RankHeartbeat`)
 
     def start(self) -> None:
         for thread in self.threads:
@@ -137,7 +137,7 @@ class Heartbeat:
 
     def _loop(self) -> None:
         """The store traffic: beat, read the watched counters, post or read a verdict; every
-        `_BOARD_TICK_S`, read the failure board (`board.py`) where there is one."""
+        `_BOARD_TICK_S`, read the failure board (`failure_board.py`) where there is one."""
         try:
             self.store.set(f"who/{self.me}", self.me_said)
         except Exception:  # noqa: BLE001 - the judge below times the store
@@ -198,10 +198,10 @@ class Heartbeat:
     def _fail(self, verdict: str) -> None:
         raise NotImplementedError  # ends the process
 
-    def _fail_after(self, first: board.Posted) -> None:
+    def _fail_after(self, first: failure_board.Posted) -> None:
         raise NotImplementedError  # only where a board is read
 
-    def _board_verdict(self) -> board.Posted | None:
+    def _board_verdict(self) -> failure_board.Posted | None:
         return None
 
     def mark_done(self) -> None:
@@ -239,21 +239,21 @@ class _RankHeartbeat(Heartbeat):
         self._keep = keep  # rank 0's store server stays up
         self.rank, self.local_rank = rank, local_rank
         # Its own connection to the failure board, read only where peers are on other nodes.
-        self.board = board.Board.of_process_group() if board.spans_nodes() else None
+        self.board = failure_board.Board.of_process_group() if failure_board.spans_nodes() else None
         self._consequence_seen: float | None = None
 
     def halt(self) -> None:
         stop_heartbeat()
 
-    def _board_verdict(self) -> board.Posted | None:
+    def _board_verdict(self) -> failure_board.Posted | None:
         """Another rank's failure to stop for: a real one at once; when only consequences (a
-        lost peer) are posted, the first of them after `board.CAUSE_WAIT_S`, the time its
+        lost peer) are posted, the first of them after `failure_board.CAUSE_WAIT_S`, the time its
         cause gets to be posted. None while this rank is failing itself (its excepthook
         reports) or nothing is posted."""
-        if self.board is None or board.own_failure_posted():
+        if self.board is None or failure_board.own_failure_posted():
             return None
         try:
-            first = board.first_posted(self.board.read(), besides=self.rank)
+            first = failure_board.first_posted(self.board.read(), besides=self.rank)
         except Exception:  # noqa: BLE001 - the board's store is gone: the heartbeat decides
             return None
         if first is None or not first.consequence:
@@ -261,22 +261,24 @@ class _RankHeartbeat(Heartbeat):
         now = time.monotonic()
         if self._consequence_seen is None:
             self._consequence_seen = now
-        return first if now - self._consequence_seen >= board.CAUSE_WAIT_S else None
+        return first if now - self._consequence_seen >= failure_board.CAUSE_WAIT_S else None
 
-    def _fail_after(self, first: board.Posted) -> None:
+    def _fail_after(self, first: failure_board.Posted) -> None:
         said = first.describe()
-        failures.say_last_words(
+        failure_records.say_last_words(
             f"rank {self.rank} is stopping the job: {said} (the first failure)")
-        failures.record_failure(self.rank, self.local_rank, f"PeerFailed: {said}", first=said)
-        board.post_own_failure(self.rank, self.local_rank, "stopped", f"PeerFailed: {said}")
+        cause = f"PeerFailed: {said}"
+        failure_records.record_failure(self.rank, self.local_rank, cause, first=said)
+        failure_board.post_own_failure(self.rank, self.local_rank, "stopped", cause)
         os._exit(1)
 
     def _fail(self, verdict: str) -> None:
         message = f"rank {self.rank} is stopping the job: {verdict}"
         # Said first: the post below may have to give up on a store that is cut off.
-        failures.say_last_words(message)
-        failures.record_failure(self.rank, self.local_rank, f"SilentRank: {verdict}")
-        board.post_own_failure(self.rank, self.local_rank, "stopped", f"SilentRank: {verdict}")
+        failure_records.say_last_words(message)
+        cause = f"SilentRank: {verdict}"
+        failure_records.record_failure(self.rank, self.local_rank, cause)
+        failure_board.post_own_failure(self.rank, self.local_rank, "stopped", cause)
         os._exit(1)
 
 

@@ -1,7 +1,7 @@
 """The launchers' heartbeat: on several nodes, a node that stops answering ends the job within
 a bound even where no rank's heartbeat runs.
 
-The ranks' heartbeat (`silence.py`) starts only once a rank has its process group and has
+The ranks' heartbeat (`heartbeat.py`) starts only once a rank has its process group and has
 reached `fsdp()`. Under `fullshard run --max-restarts K` a cut link hangs between attempts:
 the ranks of attempt 0 fail within the bound, but then torchelastic's agent on the cut-off node
 blocks in its rendezvous' store ops (600 s), and the restarted ranks of the other nodes block
@@ -31,8 +31,8 @@ import sys
 import threading
 from datetime import timedelta
 
-from fullshard.launch import failures
-from fullshard.launch.silence import SILENCE_VAR, Heartbeat
+from fullshard.launch import failure_records
+from fullshard.launch.heartbeat import SILENCE_VAR, Heartbeat
 
 LAUNCHER_GRACE_S = 5.0
 _PREFIX = "fullshard/node-heartbeat/"
@@ -47,7 +47,7 @@ class _NodeHeartbeat(Heartbeat):
         # A rank of this node may have failed first (its own heartbeat's verdict comes within
         # the ranks' bound) while torchelastic's agent, blocked on the silent store, never got
         # to report it: name it as the launcher's report would.
-        first = failures.first_failure(os.environ.get(failures.FAILURE_DIR_VAR))
+        first = failure_records.first_failure(os.environ.get(failure_records.FAILURE_DIR_VAR))
         if first is not None:
             sys.stderr.write(f"fullshard run: rank {first.rank} (local rank {first.local_rank}, "
                              f"pid {first.pid}) failed with {first.error} (the first failure "
@@ -57,7 +57,7 @@ class _NodeHeartbeat(Heartbeat):
         sys.stderr.flush()
         kill_children()
         # os._exit skips the launcher's `finally`, which removes this node's failure records
-        failures.remove_failure_directory(os.environ.get(failures.FAILURE_DIR_VAR))
+        failure_records.remove_failure_directory(os.environ.get(failure_records.FAILURE_DIR_VAR))
         os._exit(1)
 
 
