@@ -26,13 +26,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from tests.distributed.netns import emulated_hosts, fullshard_run, host_env  # noqa: E402
 from tests.distributed.test_netns_heartbeat import (  # noqa: E402
     SCRIPT,
     _wait_ends,
     _wait_training,
 )
-
-from tests.distributed.netns import emulated_hosts, fullshard_run, host_env  # noqa: E402
 
 
 def main() -> None:
