@@ -1,22 +1,24 @@
-"""Train a small GPT with fullshard's Fabric front and FSDPStrategy (Lightning Fabric's API).
+"""Train a small GPT with Lightning's own Fabric and fullshard's FSDPStrategy.
 
     python examples/fabric_train.py                       # 2 processes, started by Fabric.launch
     python examples/fabric_train.py --devices 4 --strategy HYBRID_SHARD --mesh 2,2
-    fullshard run --nproc-per-node 2 examples/fabric_train.py --devices auto
+    fullshard run --nproc-per-node 2 examples/fabric_train.py --devices 2
 
-A Lightning Fabric script ports by changing its imports to `from fullshard import Fabric,
-FSDPStrategy`. The model learns a fixed pseudo-random token sequence, so the loss falls.
+A Lightning Fabric script ports by changing one import: `from fullshard import FSDPStrategy`
+(or by `strategy="fullshard"` after `import fullshard`); needs `pip install "fullshard[lightning]"`.
+The model learns a fixed pseudo-random token sequence, so the loss falls.
 """
 
 from __future__ import annotations
 
 import argparse
 
+import lightning as L
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from fullshard import Fabric, FSDPStrategy
+from fullshard import FSDPStrategy
 from fullshard.testing.models import Block, TinyGPT
 
 
@@ -33,7 +35,7 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def train(fabric: Fabric, args: argparse.Namespace) -> None:
+def train(fabric: L.Fabric, args: argparse.Namespace) -> None:
     fabric.seed_everything(0)
     with fabric.init_module():
         model = TinyGPT(vocab=64, dim=64, layers=2, heads=4, seq=32)
@@ -77,7 +79,7 @@ def main() -> None:
     strategy = FSDPStrategy(sharding_strategy=args.strategy, auto_wrap_policy={Block},
                             device_mesh=mesh)
     devices = int(args.devices) if args.devices.isdigit() else args.devices
-    fabric = Fabric(accelerator="cpu", strategy=strategy, devices=devices)
+    fabric = L.Fabric(accelerator="cpu", strategy=strategy, devices=devices)
     fabric.launch(train, args)
 
 

@@ -5,11 +5,10 @@ gathered just before it runs and its gradients are reduce-scattered right after,
 keeps about 1/N of the model state.
 """
 
-from fullshard.api.fabric import Fabric, seed_everything
+from fullshard.api.forward_methods import register_fsdp_forward_method
 from fullshard.api.functional import fsdp
 from fullshard.api.grad_norm import clip_grad_norm_
 from fullshard.api.lightning_registration import register_when_lightning_is_imported
-from fullshard.api.loggers import CSVLogger
 from fullshard.config import (
     CPUOffload,
     FSDPBucketingStrategy,
@@ -25,10 +24,8 @@ from fullshard.planner import PlanTable, plan
 
 __all__ = [
     "CPUOffload",
-    "CSVLogger",
     "FSDPBucketingStrategy",
     "FSDPType",
-    "Fabric",
     "FullyShardedModule",
     "MixedPrecision",
     "PlanTable",
@@ -41,8 +38,8 @@ __all__ = [
     "memory_stats",
     "plan",
     "reset_comm_stats",
+    "register_fsdp_forward_method",
     "reset_memory_stats",
-    "seed_everything",
 ]
 
 __version__ = "0.1.0"
@@ -53,8 +50,23 @@ _LIGHTNING_MISSING = (
 )
 
 
+# Retired: fullshard's copy of Lightning Fabric's API. What replaces each name. An ImportError
+# (not AttributeError): `from fullshard import Fabric` shows this message only then.
+_RETIRED = {
+    "Fabric": "fullshard.Fabric was retired: use Lightning's own Fabric with fullshard's "
+              "strategy, L.Fabric(strategy=fullshard.FSDPStrategy(...)) (or "
+              'strategy="fullshard" after `import fullshard`); pip install "fullshard[lightning]".',
+    "seed_everything": "fullshard.seed_everything was retired with fullshard.Fabric: use "
+                       "lightning.fabric.seed_everything or fabric.seed_everything(...).",
+    "CSVLogger": "fullshard.CSVLogger was retired with fullshard.Fabric: use "
+                 "lightning.fabric.loggers.CSVLogger (Fabric(loggers=...)).",
+}
+
+
 def __getattr__(name: str) -> object:
     """`fullshard.FSDPStrategy`, imported on first use: it needs Lightning, the rest does not."""
+    if name in _RETIRED:
+        raise ImportError(_RETIRED[name], name=f"fullshard.{name}")
     if name != "FSDPStrategy":
         raise AttributeError(f"module 'fullshard' has no attribute {name!r}")
     try:

@@ -1,12 +1,12 @@
-"""A training script written against Lightning Fabric's API; only the imports differ.
+"""A training script on Lightning's own Fabric; only the strategy's import differs:
 
-    from lightning.fabric import Fabric                      ->  from fullshard import Fabric
     from lightning.fabric.strategies import FSDPStrategy     ->  from fullshard import FSDPStrategy
 
-The tests run it with `python fabric_loop.py --devices N` (Fabric.launch starts the ranks) and
-under `fullshard run` (devices='auto'). It uses launch, setup (optimizer built before setup),
-setup_dataloaders, no_backward_sync (2 micro-batches), backward, clip_gradients, save/load
-(mid-run, into a fresh model and optimizer, checked equal in place), all_reduce, print.
+The tests run it with `python fabric_loop.py --devices N` (Fabric.launch starts the ranks
+through the strategy's launcher) and under `fullshard run`. It uses launch, setup (optimizer
+built before setup), setup_dataloaders, no_backward_sync (2 micro-batches), backward,
+clip_gradients, save/load (mid-run, into a fresh model and optimizer, checked equal in place),
+all_reduce, print.
 Rank 0 writes the per-step global losses and gradient norms, the collectives of the last
 synced backward and the mesh to `--out` (JSON). `--fail-*` injects a rank death mid-step.
 """
@@ -20,12 +20,13 @@ import signal
 import threading
 import time
 
+import lightning as L
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import fullshard
-from fullshard import Fabric, FSDPStrategy
+from fullshard import FSDPStrategy
 from fullshard.testing.models import Block, TinyGPT
 
 
@@ -51,8 +52,8 @@ def make_model() -> TinyGPT:
     return TinyGPT(vocab=23, dim=16, layers=2, heads=2, seq=6)
 
 
-def snapshot(fabric: Fabric, model, optimizer) -> tuple[dict, list]:
-    full = fullshard.full_state_dict(model)
+def snapshot(model, optimizer) -> tuple[dict, list]:
+    full = fullshard.full_state_dict(model.module)  # the sharded model in _FabricModule
     opt = [
         {k: v.clone() for k, v in optimizer.state[p].items() if isinstance(v, torch.Tensor)}
         for g in optimizer.param_groups for p in g["params"]
@@ -60,7 +61,7 @@ def snapshot(fabric: Fabric, model, optimizer) -> tuple[dict, list]:
     return full, opt
 
 
-def train(fabric: Fabric, args: argparse.Namespace) -> None:
+def train(fabric: L.Fabric, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     if args.pids_dir:
         with open(os.path.join(args.pids_dir, f"rank{fabric.global_rank}.pid"), "w") as f:
@@ -110,7 +111,7 @@ def train(fabric: Fabric, args: argparse.Namespace) -> None:
         norms.append(norm.item())
 
         if args.ckpt and step == args.steps // 2 - 1:
-            before = snapshot(fabric, model, optimizer)
+            before = snapshot(model, optimizer)
             fabric.save(args.ckpt, {"model": model, "optimizer": optimizer,
                                     "scheduler": scheduler, "step": step})
             # Resume into fresh objects, as a restarted job would.
@@ -123,7 +124,7 @@ def train(fabric: Fabric, args: argparse.Namespace) -> None:
             scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
             state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
             fabric.load(args.ckpt, state)
-            after = snapshot(fabric, model, optimizer)
+            after = snapshot(model, optimizer)
             assert state["step"] == step and scheduler.last_epoch == step + 1, state
             for key, value in before[0].items():
                 assert torch.equal(value, after[0][key]), f"model {key} changed by save/load"
@@ -131,7 +132,7 @@ def train(fabric: Fabric, args: argparse.Namespace) -> None:
                 assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         fabric.print(f"step {step} loss {losses[-1]:.6f} norm {norms[-1]:.6f}")
 
-    mesh = model.fullshard_runtime.mesh
+    mesh = model.module.fullshard_runtime.mesh
     if fabric.is_global_zero and args.out:
         with open(args.out, "w") as f:
             json.dump({"losses": losses, "norms": norms, "counts": counts,
@@ -150,7 +151,7 @@ def main() -> None:
         device_mesh=mesh,
     )
     devices = int(args.devices) if args.devices.isdigit() else args.devices
-    fabric = Fabric(accelerator="cpu", strategy=strategy, devices=devices,
+    fabric = L.Fabric(accelerator="cpu", strategy=strategy, devices=devices,
                     num_nodes=args.num_nodes)
     fabric.launch(train, args)
     if args.out:  # the run is over: no watch thread of the launcher may outlive teardown

@@ -1,5 +1,6 @@
-"""Acceptance: a Lightning-Fabric-style script (fabric_loop.py) on real processes matches one
-process -- FULL_SHARD / SHARD_GRAD_OP / NO_SHARD on 2 ranks started by Fabric.launch(),
+"""Acceptance: a script on Lightning's own Fabric with fullshard's strategy (fabric_loop.py) on
+real processes matches one process -- FULL_SHARD / SHARD_GRAD_OP / NO_SHARD on 2 ranks started
+by Fabric.launch() (the strategy's launcher),
 HYBRID_SHARD (2, 2) on 4 ranks, and 2 "nodes" x 2 ranks through two `fullshard run` -- and the
 example script runs."""
 
@@ -69,7 +70,7 @@ def test_fabric_script_on_2_processes_matches_one(
                    "--state-dict-type", state_dict_type)
     assert_parity(got, reference)
     assert got["world_size"] == 2
-    # Fabric.launch()'s watch threads: stoppable daemons (Lightning's test fixtures stop
+    # The strategy launcher's watch threads: stoppable daemons (Lightning's test fixtures stop
     # left-over ones by `stop()`), and none left after the strategy's teardown.
     for rank in (0, 1):
         threads = json.loads((tmp_path / f"{strategy}.json.threads.{rank}").read_text())
@@ -111,8 +112,8 @@ def test_hybrid_shard_on_2_nodes_through_fullshard_run(tmp_path: Path, reference
         subprocess.Popen(
             [*FULLSHARD, "run", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank",
              str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), str(SCRIPT),
-             "--strategy", "HYBRID_SHARD", "--batch", "1", "--out", str(out), "--ckpt",
-             str(tmp_path / "nodes.ckpt")],
+             "--devices", "2", "--num-nodes", "2", "--strategy", "HYBRID_SHARD", "--batch", "1",
+             "--out", str(out), "--ckpt", str(tmp_path / "nodes.ckpt")],
             cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True,
         )

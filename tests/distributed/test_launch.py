@@ -1,5 +1,6 @@
 """Launching: `fullshard run` arguments and help, environment detection, and rank death -- a
-rank raising / exiting / SIGKILLed mid-step under `fullshard run` and under Fabric.launch():
+rank raising / exiting / SIGKILLed mid-step under `fullshard run` and under Lightning's
+Fabric.launch() with fullshard's strategy (its launcher):
 every process gone and a non-zero exit within 20 s of the death, the failing rank named."""
 
 from __future__ import annotations
@@ -237,8 +238,8 @@ def _launch_and_kill(tmp_path: Path, launcher: str, fail_rank: int, how: str) ->
     pids.mkdir()
     args = [str(SCRIPT), "--fail-rank", str(fail_rank), "--fail-how", how, "--fail-step", "1",
             "--pids-dir", str(pids)]
-    if launcher == "run":
-        cmd = [*FULLSHARD, "run", "--nproc-per-node", "2", *args]
+    if launcher == "run":  # Lightning's Fabric under a launcher: devices given, as under torchrun
+        cmd = [*FULLSHARD, "run", "--nproc-per-node", "2", *args, "--devices", "2"]
     else:
         cmd = [sys.executable, *args, "--devices", "2"]
     tmp = tmp_path / "tmp"  # the launch's temporary files, to check that none is left over
@@ -298,8 +299,8 @@ def test_fabric_rank0_failing_ends_its_children(tmp_path: Path) -> None:
 
 def test_launch_from_an_interactive_process_says_how() -> None:
     code = (
-        "from fullshard import Fabric\n"
-        "Fabric(accelerator='cpu', devices=2).launch()\n"
+        "import lightning as L, fullshard\n"
+        "L.Fabric(accelerator='cpu', strategy=fullshard.FSDPStrategy(), devices=2).launch()\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(),
                           capture_output=True, text=True, timeout=60)

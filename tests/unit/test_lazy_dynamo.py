@@ -25,7 +25,7 @@ def _run(code: str) -> str:
 def test_import_fullshard_leaves_dynamo_unimported():
     _run("""
         import sys
-        import fullshard, fullshard.cli, fullshard.api.fabric
+        import fullshard, fullshard.cli, fullshard.api.strategy
         loaded = [m for m in sys.modules if m.startswith("torch._dynamo")]
         assert not loaded, loaded
     """)
