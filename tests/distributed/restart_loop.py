@@ -17,10 +17,11 @@ import argparse
 import os
 import signal
 
+import lightning as L
 import torch
 import torch.nn as nn
 
-from fullshard import Fabric, FSDPStrategy
+from fullshard import FSDPStrategy, full_state_dict
 from fullshard.api.resume import checkpoint_path, latest_checkpoint
 
 GLOBAL_BATCH = 4
@@ -61,10 +62,13 @@ def main() -> None:
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--kill-step", type=int, default=-1)
     p.add_argument("--attempts-dir", default=None)
+    p.add_argument("--devices", type=int, default=2, help="ranks per node (`fullshard run`'s)")
+    p.add_argument("--num-nodes", type=int, default=1)
     args = p.parse_args()
     torch.set_num_threads(1)
 
-    fabric = Fabric(accelerator="cpu", strategy=FSDPStrategy(), devices="auto")
+    fabric = L.Fabric(accelerator="cpu", strategy=FSDPStrategy(), devices=args.devices,
+                      num_nodes=args.num_nodes)
     fabric.launch()
     model = fabric.setup_module(make_model())
     optimizer = fabric.setup_optimizers(make_optimizer(model.parameters()))
@@ -94,9 +98,7 @@ def main() -> None:
             state["step"] = step + 1
             fabric.save(checkpoint_path(args.ckpt_dir, step + 1), state)
 
-    from fullshard import full_state_dict
-
-    full = full_state_dict(model)
+    full = full_state_dict(model.module)
     if fabric.is_global_zero:
         torch.save(full, args.out)
 

@@ -5,7 +5,7 @@
   with the same seed in the same order -- units root first; within a unit its modules in
   `named_modules()` order, skipping nested units (see engine/materialize.py) -- through the
   three doors: `torch.device("meta")` + `fsdp()`, `FSDPStrategy.module_init_context(
-  empty_init=True)` and `Fabric.init_module(empty_init=True)`;
+  empty_init=True)` and Lightning's `Fabric.init_module(empty_init=True)` with the strategy;
 - every module's own `reset_parameters()` runs even when the root has an `_init_weights`
   (litgpt's `GPT`: its reset *replaces* the RoPE buffers, its `_init_weights` knows only
   Linear/Embedding and not its norms); a non-Hugging-Face root's `_init_weights` initializes
@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fullshard
-from fullshard import Fabric, FSDPStrategy
+from fullshard import FSDPStrategy
 from fullshard.testing import DistributedGroup, local_rows
 
 
@@ -141,6 +141,15 @@ def _compare(model: nn.Module, ref: nn.Module) -> int:
     return n
 
 
+def _lightning_fabric(policy: set | None = None):
+    import lightning as L
+
+    fabric = L.Fabric(accelerator="cpu", devices=dist.get_world_size(),
+                      strategy=FSDPStrategy(auto_wrap_policy=policy))
+    fabric.launch()
+    return fabric
+
+
 def _meta_equals_cpu(door: str) -> int:
     torch.manual_seed(123)  # the CPU reference's own init, overwritten by the resets below
     ref = MetaNet()
@@ -161,14 +170,12 @@ def _meta_equals_cpu(door: str) -> int:
         torch.manual_seed(7)
         model = s.setup_module(model)
     else:
-        fabric = Fabric(accelerator="cpu", devices=dist.get_world_size(),
-                        strategy=FSDPStrategy(auto_wrap_policy=policy))
-        fabric.launch()
+        fabric = _lightning_fabric(policy)
         with fabric.init_module(empty_init=True):
             model = MetaNet()
         assert all(p.is_meta for p in model.parameters())
         torch.manual_seed(7)
-        model = fabric.setup_module(model)
+        model = fabric.setup_module(model).module  # the sharded model in _FabricModule
     n = _compare(model, ref)
     # And it trains: the materialized shards are the ones the engine gathers.
     model(torch.randint(0, 11, (4,))).sum().backward()
@@ -177,6 +184,8 @@ def _meta_equals_cpu(door: str) -> int:
 
 @pytest.mark.parametrize("door", ["fsdp", "strategy", "fabric"])
 def test_meta_init_equals_the_cpu_model_reset_in_the_same_order(group, door) -> None:
+    if door == "fabric":
+        pytest.importorskip("lightning")
     counts = group.run(_meta_equals_cpu, door)
     # emb, head (2), 3 blocks x (norm 2, mix 4, gain 1, bn 2) params; bn buffers 3 x 3
     assert counts == [2 + 1 + 3 * 9 + 3 * 3] * group.world_size
@@ -252,20 +261,19 @@ def _lit_style() -> int:
     ref = LitStyle()
     torch.manual_seed(11)
     reset_in_materialization_order(ref, (LitBlock,))
-    fabric = Fabric(accelerator="cpu", devices=dist.get_world_size(),
-                    strategy=FSDPStrategy(auto_wrap_policy={LitBlock}))
-    fabric.launch()
+    fabric = _lightning_fabric({LitBlock})
     with fabric.init_module(empty_init=True):
         model = LitStyle()
     assert model.cos.is_meta
     torch.manual_seed(11)
-    model = fabric.setup_module(model)
+    model = fabric.setup_module(model).module
     n = _compare(model, ref)
     model(torch.randint(0, 9, (5,))).sum().backward()
     return n
 
 
 def test_own_reset_parameters_run_under_a_root_with_init_weights(group) -> None:
+    pytest.importorskip("lightning")
     # emb, norm, scale, 2 blocks x (norm, fc 2) parameters; the cos buffer
     assert group.run(_lit_style) == [3 + 2 * 3 + 1] * group.world_size
 
@@ -409,8 +417,7 @@ def _errors() -> dict:
         model = nn.Sequential(nn.Linear(3, 3), FullReset())
     model = fullshard.fsdp(model, device="cpu", auto_wrap_policy={FullReset})
     out["full_reset"] = (model[1].table.tolist(), torch.isnan(model[1].extra).any().item())
-    fabric = Fabric(accelerator="cpu", devices=dist.get_world_size())
-    fabric.launch()
+    fabric = _lightning_fabric()
     with fabric.init_module(empty_init=True):
         meta_model = MetaNet()
     early = torch.optim.AdamW(meta_model.parameters())
@@ -422,6 +429,7 @@ def _errors() -> dict:
 
 
 def test_errors_name_the_module_and_the_fix(group) -> None:
+    pytest.importorskip("lightning")
     for out in group.run(_errors):
         assert "Module '1.1' (NoReset)" in out["no_reset"]
         assert "no reset_parameters()" in out["no_reset"]

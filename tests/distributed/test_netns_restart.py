@@ -34,7 +34,8 @@ def test_a_killed_rank_restarts_both_hosts_and_resumes_exactly(tmp_path: Path) -
                 net, host, _port[0], SCRIPT,
                 ["--steps", str(STEPS), "--every", str(EVERY), "--ckpt-dir",
                  str(tmp_path / "ckpt"), "--out", str(out), "--kill-rank", str(kill_rank),
-                 "--kill-step", str(kill_step), "--attempts-dir", str(attempts)],
+                 "--kill-step", str(kill_step), "--attempts-dir", str(attempts),
+                 "--devices", "1", "--num-nodes", "2"],
                 options=["--max-restarts", "1"])
             log = tmp_path / f"host{host}.log"
             logs.append(log)

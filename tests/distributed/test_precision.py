@@ -1,4 +1,4 @@
-"""Precision strings through FSDPStrategy / Fabric, on 2 real gloo ranks.
+"""Precision strings through FSDPStrategy / Lightning's Fabric, on 2 real gloo ranks.
 
 - for each of '32-true', '16-mixed', 'bf16-mixed', '16-true', 'bf16-true': the dtypes of the
   shards, of the parameters gathered inside forward, of activations, buffers, gradients and
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fullshard
-from fullshard import Fabric, FSDPStrategy
+from fullshard import FSDPStrategy
 from fullshard.api.precision import Precision
 from fullshard.testing import DistributedGroup
 from fullshard.testing.models import Block, OddMLP, TinyGPT
@@ -326,10 +326,12 @@ def test_16_mixed_skips_an_inf_step_on_every_rank(group2: DistributedGroup) -> N
         assert "Pass the optimizer" in r["clip_without_optimizer"]
 
 
-# -- through Fabric ---------------------------------------------------------------------------
+# -- through Lightning's Fabric -----------------------------------------------------------------
 def _fabric_true(precision: str) -> dict:
-    fabric = Fabric(accelerator="cpu", devices=2, precision=precision,
-                    strategy=FSDPStrategy(auto_wrap_policy={Block}))
+    import lightning as L
+
+    fabric = L.Fabric(accelerator="cpu", devices=2, precision=precision,
+                      strategy=FSDPStrategy(auto_wrap_policy={Block}))
     fabric.launch()
     with fabric.init_module(empty_init=True):
         model = TinyGPT(layers=2)
@@ -346,12 +348,15 @@ def _fabric_true(precision: str) -> dict:
     opt.step()
     finite = all(torch.isfinite(p).all().item() for p in model.parameters())
     return {"init": init, "shards": {p.dtype for p in model.parameters()},
-            "logits": logits.dtype, "finite": finite, "inside": inside}
+            "logits": logits.dtype, "finite": finite, "inside": inside,
+            "precision": fabric.strategy.precision.precision}
 
 
 @pytest.mark.parametrize("precision,dtype", [("bf16-true", BF16), ("16-mixed", F32)])
 def test_fabric_init_module_and_training_step(group2: DistributedGroup, precision, dtype) -> None:
+    pytest.importorskip("lightning")
     for r in group2.run(_fabric_true, precision):
+        assert r["precision"] == precision
         assert r["init"] == (dtype, True)
         assert r["shards"] == {dtype} and r["logits"] == F32 and r["finite"]
         assert r["inside"] == (BF16 if precision == "bf16-true" else F32)
