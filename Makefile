@@ -23,7 +23,7 @@ TORCH ?= torch==2.13.0
 VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip install -q --disable-pip-version-check
 STAMP := $(VENV)/.fullshard-stamp
-EXTRAS := test,progress,plot
+EXTRAS := test,progress,plot,demo
 
 # litgpt 0.5.13 caps huggingface-hub, hence transformers (5.3): its tests run in a venv of their
 # own, beside the HF gradient-checkpointing test, so both transformers versions are covered.

@@ -1,15 +1,16 @@
-"""Pretrain a small GPT the way litgpt's `pretrain.py` does, on fullshard's Fabric.
+"""Pretrain a small GPT the way litgpt's `pretrain.py` does: Lightning's own Fabric with
+fullshard's FSDPStrategy (`pip install "fullshard[lightning]"`).
 
-    fullshard run --nproc 2 examples/pretrain.py --out-dir out/pretrain
-    fullshard run --nproc 2 examples/pretrain.py --out-dir out/pretrain --resume auto
+    python examples/pretrain.py --devices 2 --out-dir out/pretrain     # the strategy launches
+    fullshard run --nproc 2 examples/pretrain.py --devices 2 --out-dir out/pretrain --resume auto
     python examples/pretrain.py --devices 1 --micro-batch-size 8 --out-dir out/one
 
-The loop is litgpt's, with only the imports changed: loggers (a CSV logger in
+The loop is litgpt's, with only the strategy's import changed: loggers (a CSV logger in
 `<out-dir>/logs/version_N/metrics.csv`), data prepared once under `rank_zero_first`, a warmup
 + cosine learning rate, gradient accumulation with `no_backward_sync`, `clip_gradients`, a
 checkpoint every `--save-interval` steps (`<out-dir>/step-XXXXXXXX/lit_model.pth`), resume
 from the latest one (`--resume auto`) or a given path, and throughput (Lightning's
-`ThroughputMonitor` and `measure_flops` when Lightning is installed, else a small one here).
+`ThroughputMonitor` and `measure_flops`).
 
 The global batch (`--global-batch-size` rows per optimizer step) is the same for any number
 of processes: each rank takes `--micro-batch-size` rows per micro-batch and accumulates
@@ -24,12 +25,14 @@ import math
 import time
 from pathlib import Path
 
+import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.fabric.loggers import CSVLogger
+from lightning.fabric.utilities.throughput import ThroughputMonitor, measure_flops
 from torch.utils.data import DataLoader, TensorDataset
-from torch.utils.flop_counter import FlopCounterMode
 
-from fullshard import CSVLogger, Fabric, FSDPStrategy
+from fullshard import FSDPStrategy
 from fullshard.demo.data import load_corpus
 from fullshard.testing.models import Block, TinyGPT
 
@@ -37,7 +40,8 @@ from fullshard.testing.models import Block, TinyGPT
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out-dir", required=True, type=Path)
-    p.add_argument("--devices", default="auto", help="processes: an int, or 'auto'")
+    p.add_argument("--devices", type=int, default=1,
+                   help="processes on this machine (under `fullshard run`: its --nproc)")
     p.add_argument("--strategy", default="FULL_SHARD",
                    help="FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD")
     p.add_argument("--state-dict-type", default="sharded", choices=("sharded", "full"))
@@ -54,8 +58,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--save-interval", type=int, default=4)
     p.add_argument("--log-interval", type=int, default=1)
     p.add_argument("--resume", default=None, help="'auto' (latest checkpoint) or a path")
-    p.add_argument("--throughput", default="auto", choices=("auto", "lightning", "simple"),
-                   help="Lightning's ThroughputMonitor when installed (auto), or ours")
     p.add_argument("--seed", type=int, default=42)
     return p.parse_args()
 
@@ -94,51 +96,6 @@ class CycleIterator:
             return next(self._it)
 
 
-# -- throughput ---------------------------------------------------------------------------------
-class SimpleThroughput:
-    """Samples, tokens and FLOPs per second over the last `window` updates, logged by rank 0
-    through `fabric.log_dict` (what Lightning's `ThroughputMonitor` reports, in short)."""
-
-    def __init__(self, fabric: Fabric, window: int = 4) -> None:
-        self.fabric, self.window, self.history = fabric, window, []
-
-    def update(self, *, time: float, batches: int, samples: int, lengths: int,
-               flops: float) -> None:
-        self.history = [*self.history, (time, samples, lengths, flops)][-self.window:]
-
-    def compute_and_log(self, step: int) -> dict:
-        if len(self.history) < 2 or not self.fabric.is_global_zero:
-            return {}
-        (t0, s0, l0, _), (t1, s1, l1, _) = self.history[0], self.history[-1]
-        dt = t1 - t0
-        world = self.fabric.world_size
-        flops = sum(h[3] for h in self.history[1:])
-        metrics = {"samples_per_sec": world * (s1 - s0) / dt,
-                   "items_per_sec": world * (l1 - l0) / dt,
-                   "flops_per_sec": world * flops / dt}
-        self.fabric.log_dict(metrics, step=step)
-        return metrics
-
-
-def make_throughput(fabric: Fabric, kind: str):  # noqa: ANN201
-    """(monitor, measure_flops) -- Lightning's when asked for or available, else ours."""
-    if kind != "simple":
-        try:
-            from lightning.fabric.utilities.throughput import ThroughputMonitor, measure_flops
-
-            return ThroughputMonitor(fabric, window_size=4), measure_flops
-        except ImportError:
-            if kind == "lightning":
-                raise
-    return SimpleThroughput(fabric), simple_measure_flops
-
-
-def simple_measure_flops(model, forward_fn, loss_fn) -> int:  # noqa: ANN001
-    with FlopCounterMode(display=False) as counter:
-        loss_fn(forward_fn()).backward()
-    return counter.get_total_flops()
-
-
 # -- the loop -----------------------------------------------------------------------------------
 def make_model(seq: int) -> TinyGPT:
     return TinyGPT(vocab=256, dim=32, layers=2, heads=2, seq=seq)
@@ -158,7 +115,7 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def main(fabric: Fabric, args: argparse.Namespace) -> None:
+def main(fabric: L.Fabric, args: argparse.Namespace) -> None:
     fabric.seed_everything(args.seed)
     world = fabric.world_size
     per_step = args.micro_batch_size * world
@@ -191,7 +148,7 @@ def main(fabric: Fabric, args: argparse.Namespace) -> None:
         fabric.print(f"Resuming training from {resume}")
         fabric.load(resume, state)
 
-    monitor, measure_flops = make_throughput(fabric, args.throughput)
+    monitor = ThroughputMonitor(fabric, window_size=4)
     with torch.device("meta"):  # FLOPs of one micro-batch, counted on a meta-device copy
         meta_model = make_model(args.seq)
         x = torch.randint(0, 256, (args.micro_batch_size, args.seq))
@@ -199,7 +156,7 @@ def main(fabric: Fabric, args: argparse.Namespace) -> None:
     fit(fabric, args, state, loader, accumulate, monitor, flops)
 
 
-def fit(fabric: Fabric, args: argparse.Namespace, state: dict, loader, accumulate: int,  # noqa: ANN001
+def fit(fabric: L.Fabric, args: argparse.Namespace, state: dict, loader, accumulate: int,  # noqa: ANN001
         monitor, flops_per_batch: int) -> None:  # noqa: ANN001
     model, optimizer = state["model"], state["optimizer"]
     train_iterator = CycleIterator(loader)
@@ -251,10 +208,9 @@ def setup() -> None:
     args = parse_args()
     strategy = FSDPStrategy(sharding_strategy=args.strategy, auto_wrap_policy={Block},
                             state_dict_type=args.state_dict_type)
-    devices = int(args.devices) if str(args.devices).isdigit() else args.devices
     logger = CSVLogger(args.out_dir, name="logs")
-    fabric = Fabric(devices=devices, strategy=strategy, precision=args.precision,
-                    loggers=[logger])
+    fabric = L.Fabric(devices=args.devices, strategy=strategy,
+                      precision=args.precision, loggers=[logger])
     fabric.launch(main, args)
 
 

@@ -32,8 +32,9 @@ examples:
       --master-addr 10.0.0.1 --master-port 29500 train.py
 
 Each process gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT;
-fullshard.Fabric / FSDPStrategy read them (Fabric.launch() then starts nothing more). When any
-process fails, the others are stopped and the command exits non-zero, naming the failed rank.
+Lightning's Fabric with fullshard's FSDPStrategy reads them (fabric.launch() then starts nothing
+more; give Fabric the same devices/num_nodes as --nproc-per-node/--nnodes). When any process
+fails, the others are stopped and the command exits non-zero, naming the failed rank.
 """
 
 

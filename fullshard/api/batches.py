@@ -3,8 +3,8 @@
 Batches come in many shapes: a tensor, a tuple or list, a `dict`, any other `Mapping`
 (`OrderedDict`, `defaultdict`, a transformers `BatchEncoding`), a namedtuple, a dataclass, or
 an object that moves itself (`.to(device)`). `map_batch` rebuilds each container as the same
-type around the transformed leaves; `move_to_device` is `fabric.to_device` and what loaders
-from `fabric.setup_dataloaders` apply to each batch; the precision plugin casts inputs with it.
+type around the transformed leaves: the precision plugin casts inputs with it
+(`cast_floating`), the strategy's collectives reduce and gather every tensor in a batch.
 
 How each container is rebuilt (the original is never modified):
 - `dict` as `dict`; any other `MutableMapping` (`OrderedDict`, `defaultdict`, `UserDict`,
@@ -45,7 +45,7 @@ def _rebuild_mapping(obj: Mapping, items: list[tuple[Any, Any]]) -> Mapping:
     raise TypeError(
         f"Cannot rebuild the batch's {type(obj).__name__} (a read-only Mapping whose "
         f"constructor does not take its items); return a dict, a dataclass or a tuple from "
-        f"your collate_fn, or move it yourself with setup_dataloaders(move_to_device=False)."
+        f"your collate_fn."
     )
 
 
@@ -68,29 +68,6 @@ def map_batch(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool]
                 object.__setattr__(out, field.name, value)  # frozen dataclasses too
         return out
     return obj
-
-
-def _moves_itself(obj: object) -> bool:
-    """A tensor, or an object with its own `.to(device)` (e.g. a `BatchEncoding`); modules are
-    not data and are left alone."""
-    if isinstance(obj, torch.Tensor):
-        return True
-    if isinstance(obj, torch.nn.Module | type | str | bytes):
-        return False
-    return callable(getattr(obj, "to", None))
-
-
-def move_to_device(batch: Any, device: torch.device | str) -> Any:
-    """`batch` with every tensor (and every object with `.to()`) on `device`, types kept."""
-    device = torch.device(device)
-
-    def move(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return x.to(device, non_blocking=device.type == "cuda")
-        moved = x.to(device)
-        return x if moved is None else moved  # a `.to` that moves in place and returns None
-
-    return map_batch(batch, move, _moves_itself)
 
 
 def cast_floating(batch: Any, dtype: torch.dtype) -> Any:

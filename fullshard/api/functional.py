@@ -136,7 +136,7 @@ def fsdp(
         raise RuntimeError(
             "fullshard.fsdp() needs torch.distributed to be initialized. Call "
             "torch.distributed.init_process_group(backend='gloo' or 'nccl') first, or launch "
-            "through `fullshard run` / fullshard.Fabric."
+            "through `fullshard run` (or Lightning's Fabric with fullshard.FSDPStrategy)."
         )
     if is_wrapped(model):
         raise ValueError(

@@ -435,25 +435,3 @@ def as_lightning_plugin(plugin: Precision) -> Precision:
         _COMPAT_CLASSES[key] = cls
     plugin.__class__ = cls
     return plugin
-
-
-def precision_from_plugin(plugin: object) -> Precision | None:
-    """The precision a `Fabric(plugins=...)` entry stands for: ours as is, a Lightning precision
-    plugin with the same meaning here (its `precision` string), None for a non-precision
-    plugin. A Lightning plugin we cannot honour is a `TypeError`."""
-    if isinstance(plugin, Precision):
-        return plugin
-    names = {c.__name__ for c in type(plugin).__mro__}
-    if "Precision" not in names:
-        return None
-    supported = ("FSDPPrecision", "MixedPrecision", "HalfPrecision")
-    kind = type(plugin).__name__
-    if kind in supported or kind == "Precision":
-        # A '16-mixed' plugin's own GradScaler is replaced by ours (same role, global check).
-        return Precision(getattr(plugin, "precision", "32-true"))
-    raise TypeError(
-        f"Fabric(plugins={kind}(...)) is a Lightning precision plugin fullshard cannot honour "
-        f"(supported: {', '.join(supported)} and Precision, i.e. the precision strings "
-        f"'32-true', '16-mixed', 'bf16-mixed', '16-true', 'bf16-true'). Pass precision=... "
-        f"instead."
-    )

@@ -4,10 +4,11 @@
     fullshard demo --resume --steps 100   # continue the previous run from its checkpoint
 
 `add_parser` registers the subcommand; `main(args)` validates the options before any process
-starts, launches the ranks through `fullshard.Fabric` (this process becomes rank 0 and
-re-runs the same command for the others), and prints rank 0's report. Each `fullshard demo`
-without `--resume` starts a new run and replaces the previous checkpoint once the new one is
-complete.
+starts, launches the ranks through Lightning's Fabric with fullshard's `FSDPStrategy` (its
+launcher: this process becomes rank 0 and re-runs the same command for the others), and prints
+rank 0's report. Needs Lightning: `pip install "fullshard[demo]"` (`make demo` installs it).
+Each `fullshard demo` without `--resume` starts a new run and replaces the previous checkpoint
+once the new one is complete.
 """
 
 from __future__ import annotations
@@ -78,6 +79,11 @@ def _check_options(args: argparse.Namespace) -> str | None:
         return f"the output folder {str(out)!r} is not writable ({e.strerror or e})"
     if args.resume and not (out / "checkpoint").exists():
         return f"--resume: no checkpoint in {str(out)!r}; run without --resume first"
+    try:
+        import lightning  # noqa: F401
+    except ImportError:
+        return ("the demo runs on Lightning's Fabric, which is not installed: "
+                'pip install "fullshard[demo]"')
     return None
 
 
@@ -85,8 +91,9 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None
     problem = _check_options(args)
     if problem:
         return _fail(problem)
-    from fullshard import Fabric
-    from fullshard.api.strategy import FSDPStrategy
+    import lightning as L
+
+    from fullshard import FSDPStrategy
     from fullshard.demo.config import DemoConfig
     from fullshard.demo.report import format_report, write_figure
     from fullshard.demo.train import train
@@ -109,7 +116,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None
         state_dict_type="sharded",
         **hybrid,
     )
-    fabric = Fabric(
+    fabric = L.Fabric(
         accelerator=args.device, strategy=strategy, devices=args.nproc, precision=cfg.precision
     )
     result = fabric.launch(train, cfg)

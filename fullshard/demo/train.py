@@ -1,9 +1,9 @@
 """What every rank of `fullshard demo` runs: train, checkpoint, sample, measure.
 
 The model is a byte-level GPT (`fullshard.testing.models.TinyGPT`, vocabulary 256) trained with
-AdamW through `fullshard.Fabric` + `FSDPStrategy`, one unit per transformer block. Rank 0 shows
-a progress bar (tqdm when installed) and returns the measurements that `report.py` prints and
-plots; the other ranks return None.
+AdamW through Lightning's `Fabric` + fullshard's `FSDPStrategy`, one unit per transformer
+block. Rank 0 shows a progress bar (tqdm when installed) and returns the measurements that
+`report.py` prints and plots; the other ranks return None.
 
 Resuming (`--resume`) loads the sharded checkpoint of the previous run (model, optimizer, step,
 loss history) and continues with the batches that run would have drawn next (`data.py`).
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 
 import fullshard
@@ -82,7 +83,7 @@ def _progress(total: int, initial: int, enabled: bool) -> Any:
     return tqdm(total=total, initial=initial, desc="training", unit="step", dynamic_ncols=True)
 
 
-def train(fabric: fullshard.Fabric, cfg: DemoConfig) -> DemoResult | None:
+def train(fabric: L.Fabric, cfg: DemoConfig) -> DemoResult | None:
     rank, world = fabric.global_rank, fabric.world_size
     if fabric.device.type == "cpu":  # share the cores between the local ranks
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))

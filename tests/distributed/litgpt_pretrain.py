@@ -1,5 +1,5 @@
-"""litgpt's own `pretrain.setup()` (litgpt 0.5.13), run with only its Fabric/FSDPStrategy names
-swapped: the script test_litgpt_pretrain.py launches.
+"""litgpt's own `pretrain.setup()` (litgpt 0.5.13), run with only its FSDPStrategy name
+swapped: the script test_pretrain_example.py launches.
 
     fullshard run --nproc 2 tests/distributed/litgpt_pretrain.py OUT_DIR [FABRIC ...]
         [--backend=aot_eager | --no-compile]
@@ -7,9 +7,10 @@ swapped: the script test_litgpt_pretrain.py launches.
 Each FABRIC (default: `fullshard lightning`) runs litgpt's whole `setup()` in turn, in the same
 2 ranks (one launch: the imports and process start-up are paid once), into `OUT_DIR/FABRIC`:
 
-- `fullshard`: `litgpt.pretrain`'s `L.Fabric` and `FSDPStrategy` names become fullshard's, so
-  `setup()` builds `Fabric(strategy=FSDPStrategy(auto_wrap_policy={Block},
-  state_dict_type="full", sharding_strategy="HYBRID_SHARD"))` -- litgpt's own arguments -- and
+- `fullshard`: `litgpt.pretrain`'s `FSDPStrategy` name becomes fullshard's (its `L.Fabric`
+  stays Lightning's own), so `setup()` builds `L.Fabric(strategy=FSDPStrategy(
+  auto_wrap_policy={Block}, state_dict_type="full", sharding_strategy="HYBRID_SHARD"))` --
+  litgpt's own arguments -- and
   `main()` runs as written: `fabric.init_module(empty_init=True)` (the meta device),
   `initialize_weights` (which skips the eager reset under an FSDPStrategy: the modules' own
   `reset_parameters()` run when `fabric.setup` materializes each unit), `torch.compile` before
@@ -83,7 +84,7 @@ def run(which: str, out_dir: Path) -> None:
     if which == "fullshard":
         import fullshard
 
-        pretrain.L = types.SimpleNamespace(Fabric=lambda **kw: recorded(fullshard.Fabric(**kw)))
+        pretrain.L = types.SimpleNamespace(Fabric=lambda **kw: recorded(lightning.Fabric(**kw)))
         pretrain.FSDPStrategy = fullshard.FSDPStrategy
     elif which == "lightning":
         def ddp_fabric(**kwargs):

@@ -8,8 +8,8 @@ and shards the model with torch's `fully_shard`. The model is TinyGPT (a tied em
 head, rows that split over the ranks), trained 2 steps with AdamW and an LR scheduler.
 
 - Lightning -> fullshard: what Lightning saved (sharded directory, or one full file) loads
-  with `fullshard.Fabric.load` into a fullshard-sharded model; its parameters and every
-  optimizer state tensor equal Lightning's, gathered (`get_model_state_dict` /
+  with Lightning's `Fabric.load` into a model sharded by fullshard's strategy; its parameters
+  and every optimizer state tensor equal Lightning's, gathered (`get_model_state_dict` /
   `get_optimizer_state_dict` with `full_state_dict=True`), exactly; so do the param groups,
   the scheduler and the user's values. Lightning's sharded directory also consolidates
   (`to_full`, what `fullshard consolidate` writes) into exactly that.
@@ -79,14 +79,23 @@ def _lightning_full(model: nn.Module, opt) -> dict:
 
 
 def _fullshard(fmt: str = "sharded", seed: int = 0):
-    s = cc.strategy(state_dict_type=fmt)
-    fabric = fullshard.Fabric(strategy=s)
-    model, opt, sched = cc.build("gpt", s, seed=seed)
+    """The same, with fullshard's strategy in Lightning's Fabric."""
+    import lightning as L
+
+    fabric = L.Fabric(accelerator="cpu", devices=2,
+                      strategy=fullshard.FSDPStrategy(state_dict_type=fmt))
+    fabric.launch()
+    torch.manual_seed(seed)
+    model = fabric.setup_module(cc.make_model("gpt"))
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2,
+                                                    weight_decay=0.1))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     return fabric, model, opt, sched
 
 
 def _fullshard_full(model: nn.Module, opt) -> dict:
     """fullshard's model and optimizer, gathered on every rank."""
+    model, opt = model.module, opt.optimizer  # the sharded model and optimizer inside
     return {"model": fullshard.full_state_dict(model, rank0_only=False),
             "optimizer": full.optimizer_state(opt, {"model": model}, "optimizer")}
 

@@ -7,7 +7,8 @@ test_checkpoint_safety.py).
   (`weights_only=True`) on every rank, into a fresh sharded model, bit for bit, and its files
   load with plain `torch.load(weights_only=True)`.
 - A payload planted in a sharded checkpoint's `meta.pt` or in a full file runs on no rank
-  through `Fabric.load` or `FSDPStrategy.load_checkpoint`: every rank raises the same clear
+  through Lightning's `Fabric.load` (fullshard's strategy in it) or
+  `FSDPStrategy.load_checkpoint`: every rank raises the same clear
   error; `weights_only=False` is the opt-in, and then it does run (so the test can fail).
 """
 
@@ -95,6 +96,8 @@ def test_everything_fullshard_writes_loads_under_the_default(group2, tmp_path, f
 
 
 def _planted(root: str, fmt: str) -> dict:
+    import lightning as L
+
     s = cc.strategy(state_dict_type=fmt)
     model, opt, sched = cc.build("gpt", s)
     path = f"{root}/{fmt}"
@@ -108,7 +111,8 @@ def _planted(root: str, fmt: str) -> dict:
         if fmt == "sharded":  # and drops the checksums that would give the edit away
             Path(f"{path}/.fullshard-checksums.json").unlink()
     dist.barrier()
-    fabric = fullshard.Fabric(strategy=s)
+    fabric = L.Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=s)
+    fabric.launch()  # LOCAL_RANK is set: joins the existing process group, starts nothing
     out: dict = {}
     for name, call in (("fabric", lambda: fabric.load(path, cc.state_of(model, opt, sched))),
                        ("strategy", lambda: s.load_checkpoint(path, {"model": model}))):
@@ -126,6 +130,7 @@ def _planted(root: str, fmt: str) -> dict:
 
 @pytest.mark.parametrize("fmt", ["sharded", "full"])
 def test_planted_payload_runs_on_no_rank(group2, tmp_path, fmt) -> None:
+    pytest.importorskip("lightning")
     for out in group2.run(_planted, str(tmp_path), fmt):
         for name in ("fabric", "strategy"):
             assert not out[f"{name}_ran"], f"{name}: the payload ran on a default load"

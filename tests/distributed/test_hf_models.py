@@ -4,8 +4,8 @@ GPT-2 (input/output embeddings tied), Llama (rotary-embedding buffers, grouped-q
 attention) and BERT (an encoder; masked-LM head tied to the word embeddings, its bias tied too)
 are trained with `labels=` losses beside their unwrapped twins on 2 and 3 ranks, for every
 sharding strategy: losses, every local gradient shard and every local parameter shard after
-SGD steps match one process (fp32, rtol=1e-5, atol=1e-6). Also through `Fabric` /
-`FSDPStrategy` with `init_module(empty_init=True)`, the default units
+SGD steps match one process (fp32, rtol=1e-5, atol=1e-6). Also through Lightning's `Fabric`
+with fullshard's `FSDPStrategy` and `init_module(empty_init=True)`, the default units
 (`_no_split_modules`), and what HF users call on the model: `config`, `generate()`,
 `loss_function`, `save_pretrained()` of the full weights and `from_pretrained` of them.
 
@@ -107,21 +107,24 @@ def _hf_surface() -> dict:
 
 
 def _fabric_empty_init() -> dict:
-    """Fabric + FSDPStrategy, models built on the meta device, then the reference's weights
-    loaded through the thunder name; buffers (RoPE inv_freq, BERT position_ids) come from the
-    model's own `_init_weights` and must equal the eagerly built model's."""
+    """Lightning's Fabric + fullshard's FSDPStrategy, models built on the meta device, then the
+    reference's weights loaded through the thunder name; buffers (RoPE inv_freq, BERT
+    position_ids) come from the model's own `_init_weights` and must equal the eagerly built
+    model's."""
+    import lightning as L
+
     world = dist.get_world_size()
     results = {}
     for name, (build, _) in MODELS.items():
-        fabric = fullshard.Fabric(accelerator="cpu", devices=world,
-                                  strategy=fullshard.FSDPStrategy(sharding_strategy="FULL_SHARD"))
+        fabric = L.Fabric(accelerator="cpu", devices=world,
+                          strategy=fullshard.FSDPStrategy(sharding_strategy="FULL_SHARD"))
         fabric.launch()
         torch.manual_seed(0)
         ref = build()
         with fabric.init_module(empty_init=True):
             model = build()
         assert all(p.is_meta for p in model.parameters())
-        model = fabric.setup(model)
+        model = fabric.setup(model).module  # the sharded model in Lightning's _FabricModule
         assert "(default: _no_split_modules)" in repr(model).splitlines()[1]  # the strategy's
         assert not any(t.is_meta for t in (*model.parameters(), *model.buffers()))
         for (bn, b), (rn, rb) in zip(model.named_buffers(), ref.named_buffers()):

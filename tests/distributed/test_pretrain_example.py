@@ -7,14 +7,15 @@ steps 1-6 uninterrupted, and two processes resuming from the one-process checkpo
 4-6 (a resume that also reshards from 1 to 2 ranks).
 
 litgpt's own `pretrain.py` (litgpt 0.5.13, tests/distributed/litgpt_pretrain.py: only its
-`L.Fabric` / `FSDPStrategy` names swapped to fullshard's, litgpt's own strategy arguments,
-`init_module(empty_init=True)`, `initialize_weights`, `torch.compile` before `fabric.setup`)
-logs the losses and ends with the weights of the same script on Lightning's own Fabric with
-DDP. One launch runs both; compiled with `aot_eager` (dynamo and AOT autograd as with
-inductor, without minutes of C++ codegen on a cold cache)."""
+`FSDPStrategy` name swapped to fullshard's, Lightning's own Fabric kept, litgpt's own strategy
+arguments, `init_module(empty_init=True)`, `initialize_weights`, `torch.compile` before
+`fabric.setup`) logs the losses and ends with the weights of the same script on Lightning's
+own Fabric with DDP. One launch runs both; compiled with `aot_eager` (dynamo and AOT autograd
+as with inductor, without minutes of C++ codegen on a cold cache)."""
 
 from __future__ import annotations
 
+import csv
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fullshard.api.loggers import read_metrics
 from tests.distributed.test_fabric import ROOT, child_env
+
+pytest.importorskip("lightning")
 
 SCRIPT = str(ROOT / "examples" / "pretrain.py")
 COMMON = ["--max-steps", "6", "--save-interval", "3", "--global-batch-size", "8",
@@ -38,6 +40,21 @@ def launch(cmd: list[str]) -> str:
     return proc.stdout
 
 
+def read_metrics(path: Path) -> list[dict[str, float | int | None]]:
+    """The rows of a Lightning CSV logger's `metrics.csv`, as numbers (None where empty)."""
+
+    def number(text: str) -> float | int | None:
+        if text == "":
+            return None
+        try:
+            return int(text)
+        except ValueError:
+            return float(text)
+
+    with path.open(newline="") as f:
+        return [{k: number(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
 def losses(out_dir: Path) -> dict[int, float]:
     rows = read_metrics(out_dir / "logs" / "version_0" / "metrics.csv")
     return {int(r["step"]): float(r["loss"]) for r in rows if r.get("loss") is not None}
@@ -49,13 +66,12 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     one, two, resumed = tmp / "one", tmp / "two", tmp / "resumed"
     # One process, 4 rows x 2 micro-batches = the global batch of 8; stops after step 3.
     launch([sys.executable, SCRIPT, "--devices", "1", "--micro-batch-size", "4",
-            "--out-dir", str(one), "--throughput", "simple", *COMMON, "--max-steps", "3"])
+            "--out-dir", str(one), *COMMON, "--max-steps", "3"])
     fullshard_run = [sys.executable, "-m", "fullshard.cli", "run", "--nproc", "2",
-                     SCRIPT, "--micro-batch-size", "2", *COMMON]
-    launch([*fullshard_run, "--out-dir", str(two)])  # Lightning's ThroughputMonitor if present
+                     SCRIPT, "--devices", "2", "--micro-batch-size", "2", *COMMON]
+    launch([*fullshard_run, "--out-dir", str(two)])
     ckpt = one / "step-00000003" / "lit_model.pth"
-    stdout = launch([*fullshard_run, "--out-dir", str(resumed), "--resume", str(ckpt),
-                     "--throughput", "simple"])
+    stdout = launch([*fullshard_run, "--out-dir", str(resumed), "--resume", str(ckpt)])
     assert f"Resuming training from {ckpt}" in stdout
     return {"one": one, "two": two, "resumed": resumed}
 
@@ -88,7 +104,6 @@ def test_throughput_is_logged(runs: dict[str, Path]) -> None:
 @pytest.fixture(scope="module")
 def litgpt_runs(tmp_path_factory) -> Path:
     pytest.importorskip("litgpt")  # the litgpt extra: .venv-litgpt in `make test`
-    pytest.importorskip("lightning")
     out = tmp_path_factory.mktemp("litgpt")
     launch([sys.executable, "-m", "fullshard.cli", "run", "--nproc", "2",
             str(ROOT / "tests" / "distributed" / "litgpt_pretrain.py"), str(out),
