@@ -268,6 +268,8 @@ def test_checkpoint_calls_raise_lightnings_exception_types(world1, tmp_path: Pat
     path = tmp_path / "ckpt"
     fabric.save(path, {"model": model, "step": 3})
     assert fabric.load(path, {"model": model}) == {"step": 3}  # what `state` did not ask for
+    whole = fabric.load(path)  # no state: the whole checkpoint, as one full-format dict
+    assert fabric.load(path, {}).keys() == whole.keys() and whole["step"] == 3
     with pytest.raises(NotImplementedError, match="single optimizer object"):
         fabric.load_raw(path, opt)
     with pytest.raises(ValueError, match="must be a single file containing the full state"):
