@@ -82,7 +82,7 @@ with `alpha` one exchange's fixed cost at this `n` (what `hardware.py` measures:
 all-gather through the engine's own path) and `messages` per peer: 1 for an exchange within
 `comm.COALESCE_BYTES` per rank (packed), else one per piece above `SMALL_PIECE_BYTES`, one
 for the small pieces and one for the header (the engine checks every unit's first bucket).
-Small units travel together (see [Note: small units travel together] in engine/small_units.py):
+Small units travel together (see [Note: small units travel together] in distributed/unit_comm.py):
 units of `u` bytes per rank share one exchange `floor(SMALL_UNITS_BYTES / u)` at a time, so each
 pays that fraction of `alpha`.
 
@@ -103,7 +103,7 @@ import torch
 
 from fullshard.distributed import comm
 from fullshard.distributed.gloo import SMALL_PIECE_BYTES
-from fullshard.engine.small_units import small_units_bytes
+from fullshard.distributed.unit_comm import small_units_bytes
 from fullshard.planner.profile import ForwardProfile
 from fullshard.planner.sizes import BucketShape, ModelStructure, PrecisionSpec, size_of
 
