@@ -48,6 +48,7 @@ import torch
 
 from fullshard.distributed import comm
 from fullshard.distributed.comm import CommHandle, Group
+from fullshard.distributed.comm import register_label as register_label
 from fullshard.distributed.mesh import ShardMesh
 
 WIRE_FORMATS = ("exact",)

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fullshard.distributed import comm, unit_comm
+from fullshard.distributed import unit_comm
 from fullshard.distributed.mesh import ShardMesh
 from fullshard.distributed.unit_comm import GatherHandle, GatherRequest, ReduceHandle
 from fullshard.engine.memory import track
@@ -113,7 +113,7 @@ class Bucket:
         self.label = (
             f"unit {unit_name or '<root>'!r} (bucket {index}: {self.params[0].fqn}{more})"
         )
-        comm.register_label(self.label)
+        unit_comm.register_label(self.label)
 
     # -- layout -----------------------------------------------------------------------------
     def padded_shard(self, p: ShardedParam) -> torch.Tensor:
