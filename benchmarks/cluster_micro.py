@@ -47,7 +47,7 @@ def _exchange(buf_out: Any, buf_in: Any, peer: int, tag: int) -> list[Any]:
     import torch.distributed as dist
 
     # receive first, as comm's exchanges do (see [Note: receives are posted first] in
-    # fullshard/distributed/pairwise.py); the
+    # fullshard/distributed/gloo.py); the
     # 2026-12-03 record ran with the send posted first (`--send-first`), as they did then
     if SEND_FIRST:
         return [dist.isend(buf_out, peer, tag=tag), dist.irecv(buf_in, peer, tag=tag)]

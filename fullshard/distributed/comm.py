@@ -9,45 +9,30 @@ for (`all_gather`, `reduce_scatter`, `all_reduce`, `broadcast`, `scatter`) -- wi
   reduce-scatter, the tensor of an all-reduce or broadcast, everything a scatter hands out);
 - `wire_bytes`: what this rank actually sends for it with the algorithm we used.
 
-On gloo, all-gathers and reduce-scatters run as point-to-point exchanges (pairwise.py holds
-the algorithms: see [Note: gloo's all-gather and reduce-scatter] in distributed/pairwise.py,
-and [Note: ranks that run different units] in distributed/pairwise.py); comm.py decides
-which one runs: one message per piece for large exchanges, one packed message per peer for
-small ones (`_small`), several small collectives in one exchange when the engine issues them
-together (`all_gather_batch`, `reduce_scatter_batch`, `all_reduce_batch`: each still counts as
-one call). A small sum all-reduce on gloo is one such exchange too (`_packed_sum`); larger
-ones, and other reductions, are gloo's own all-reduce.
+On gloo, all-gathers and reduce-scatters run as point-to-point exchanges (the algorithms
+are gloo.py's: see [Note: gloo's all-gather and reduce-scatter] in distributed/gloo.py);
+comm.py decides which one runs: one message per piece for large exchanges, one packed message
+per peer for small ones (`_small`), several small collectives in one exchange when the
+engine's seam (unit_comm.py) issues them together (`all_gather_batch`,
+`reduce_scatter_batch`, `all_reduce_batch`: each still counts as one call). A small sum
+all-reduce on gloo is one such exchange too (`_packed_sum`); larger ones, and other
+reductions, are gloo's own all-reduce. The counters are added here only, for every path.
 
 [Note: the NCCL algorithm on gloo, for tests]
 `use_native_collectives(True)` (or FULLSHARD_NATIVE_COLLECTIVES=1 in the environment) makes
 gloo groups take NCCL's code path: the backend's own all-gather (rank-major output, reordered
-by the bucket) and reduce-scatter (on packed chunks), so every line of it except CUDA streams
+by unit_comm.py) and reduce-scatter (on packed chunks), so every line of it except CUDA streams
 runs in the CPU test suite. It is for tests only: on gloo those collectives are slower.
 
 A group of size 1 communicates nothing: those calls become local copies and are not counted.
 
-Asynchronous calls return a `CommHandle`; its `wait()` blocks until the data is in place (for
-the gloo reduce-scatter that includes summing our chunk). Until `wait()` returns, the caller
-must keep the input and output tensors alive and untouched; the handle holds references to
-them until then.
-
-[Note: CUDA streams]
-With NCCL every asynchronous collective runs on the process group's own stream, which first
-waits for the work already queued on the current (compute) stream -- so a buffer filled on
-the compute stream (the cast/offloaded all-gather input, the packed gradients) is complete
-before NCCL reads it -- and `wait()` makes the compute stream wait for the collective, so
-kernels queued after it see the result. Memory crosses streams safely without
-`record_stream`: every buffer is allocated on the compute stream and the handle keeps it
-referenced until `wait()` has ordered the compute stream after the collective; only then can
-the caching allocator hand the block out again, to work that is queued after the collective.
-Gathers for the next unit and reductions of the previous one thus overlap compute.
+Asynchronous calls return a `CommHandle`: see [Note: CUDA streams] in distributed/comm_handles.py.
 """
 
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -60,12 +45,10 @@ from fullshard.distributed.comm_handles import Group as Group
 from fullshard.distributed.comm_handles import comm_stats as comm_stats
 from fullshard.distributed.comm_handles import header_stats as header_stats
 from fullshard.distributed.comm_handles import reset_comm_stats as reset_comm_stats
+from fullshard.distributed.divergence import HEADER_MAX, MAX_BATCH, exchange_id, header_size
 from fullshard.distributed.divergence import RankDivergenceError as RankDivergenceError
-from fullshard.distributed.divergence import exchange_id
 from fullshard.distributed.divergence import register_label as register_label
-from fullshard.distributed.pairwise import (
-    HEADER_MAX,
-    MAX_BATCH,
+from fullshard.distributed.gloo import (
     Header,
     all_gather_packed,
     all_gather_pairwise,
@@ -74,6 +57,7 @@ from fullshard.distributed.pairwise import (
     reduce_scatter_pairwise,
     segments_plan,
 )
+from fullshard.distributed.rendezvous import rendezvous as rendezvous
 
 # torch 2.13 renamed the tensor collectives; the old names still exist but warn.
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -138,7 +122,7 @@ def all_gather(
     exchanges, which go as one message per peer and are placed by one copy (`_small`).
 
     `label` (e.g. the unit and bucket) goes into the tags and, with `check`, into a header
-    checked on gloo: see [Note: ranks that run different units] in distributed/pairwise.py.
+    checked on gloo: see [Note: ranks that run different units] in distributed/gloo.py.
     """
     if group.size == 1:
         output.copy_(input.reshape(output.shape))
@@ -173,6 +157,7 @@ def all_gather_batch(
     if pairwise and _batchable(items, total, (x[1] for x in items)):
         seq = _next_seq(group)
         idents = [exchange_id("all_gather", lab or "") for _, _, _, lab in items]
+        _count_headers(group, len(idents))
         handle = all_gather_packed(items, group, seq, idents, True, _header_capacity())
         return [_settle(handle, async_op)] * len(items)
     handles = []
@@ -184,6 +169,8 @@ def all_gather_batch(
         )
         seq, ident, wanted = _sequence(group, "all_gather", label, check)
         if packed:
+            if wanted:  # folded into the data messages
+                _count_headers(group, 1)
             handle = all_gather_packed(
                 [(output, input, pieces, label)], group, seq, [ident], wanted, _header_capacity()
             )
@@ -201,9 +188,9 @@ def all_gather_batch(
 COALESCE_BYTES = 1 << 20
 """Pairwise exchanges of at most this many bytes per rank go out as one message per peer,
 even when split into segments or made of several units' buckets (see `_small`); the engine
-batches small units within it (small_units.SMALL_UNITS_BYTES). 0 turns both off. 4 MiB (config A's
-1.6 MB-per-rank blocks packed) measured the same as 1 MiB within this machine's noise, so
-the smaller copies and header receive buffers stay."""
+batches small units within it (unit_comm.SMALL_UNITS_BYTES). 0 turns both off. 4 MiB
+(config A's 1.6 MB-per-rank blocks packed) measured the same as 1 MiB within this machine's
+noise, so the smaller copies and header receive buffers stay."""
 
 
 def _batchable(items: Sequence[Any], nbytes: int, tensors: Iterable[torch.Tensor]) -> bool:
@@ -214,30 +201,25 @@ def _batchable(items: Sequence[Any], nbytes: int, tensors: Iterable[torch.Tensor
 
 def _header_capacity() -> int:
     """Bytes of every receive that may meet a header: the largest folded message (see
-    [Note: ranks that run different units] in distributed/pairwise.py), in int64 words."""
+    [Note: ranks that run different units] in distributed/gloo.py), in int64 words."""
     return HEADER_MAX + -(-max(COALESCE_BYTES, 0) // 8) * 8
 
 
 def _small(nbytes: int) -> bool:
     """Send a pairwise exchange of `nbytes` per rank as one message per peer (`*_packed`)?
 
-    Each gloo message costs a fixed ~0.1-0.2 ms of Python, c10d and wake-up (profiled on 2
-    ranks: isend + irecv + wait; on a loaded step more, since each is a point where ranks wait
-    for each other), which is what small units pay: a transformer block is ~12 pieces, so ~24
-    messages per peer and collective, and a header message is as dear as a block's. Packing
-    costs one copy of what is exchanged, far cheaper than the messages below `COALESCE_BYTES`;
-    above it the copy grows with the data while the messages' cost does not, so large buckets
-    keep one message per piece (no copy; the pieces below `pairwise.SMALL_PIECE_BYTES`
-    together in one) and a header of their own. The decision depends only
-    on sizes, so every rank of the group makes the same one (the messages must match)."""
+    Each gloo message costs a fixed ~0.1-0.2 ms (profiled on 2 ranks: isend + irecv + wait;
+    more in a loaded step), which small units pay: a transformer block is ~12 pieces, so ~24
+    messages per peer and collective. Packing costs one copy of what is exchanged, far
+    cheaper than the messages below `COALESCE_BYTES`; above it the copy grows with the data
+    while the messages' cost does not, so large buckets keep one message per piece (no copy;
+    the pieces below `gloo.SMALL_PIECE_BYTES` together in one) and a header of their own.
+    Only sizes decide, so every rank of the group decides the same (the messages must match)."""
     return 0 < nbytes <= COALESCE_BYTES
 
 
-def _sequence(
-    group: Group, kind: str, label: str | None, check: bool
-) -> tuple[int, int, bool]:
-    """The collective's sequence number, its kind + label hash (for the tags) and whether it
-    carries a header (gloo, labelled, `check`)."""
+def _sequence(group: Group, kind: str, label: str | None, check: bool) -> tuple[int, int, bool]:
+    """Its sequence number, kind + label hash (for the tags), and if it carries a header."""
     seq = _next_seq(group)
     ident = exchange_id(kind, label or "")
     return seq, ident, label is not None and check and group.backend == "gloo"
@@ -245,7 +227,24 @@ def _sequence(
 
 def _own_header(group: Group, seq: int, ident: int, wanted: bool) -> Header | None:
     """The header of an exchange that cannot fold it, posted as a message of its own."""
-    return Header(group, seq, [ident], capacity=_header_capacity()) if wanted else None
+    if not wanted:
+        return None
+    _count_headers(group, 1)
+    return Header(group, seq, [ident], capacity=_header_capacity())
+
+
+def _count_headers(group: Group, collectives: int) -> None:
+    """One header to each peer, for an exchange of `collectives` collectives (sent alone or
+    folded into the data messages: `header_stats()`)."""
+    _COUNTERS.add_headers(group.size - 1, header_size(collectives))
+
+
+def _count_reduce_scatter(output: torch.Tensor, plan: Sequence[Any], group: Group) -> None:
+    """A pairwise reduce-scatter into `output`: its wire bytes are the real elements of every
+    peer's chunks (`segments_plan`: no padding is sent)."""
+    peers = [r for r in range(group.size) if r != group.rank]
+    wire = sum(real[r] * x.element_size() for x, _, real in plan for r in peers)
+    _COUNTERS.add("reduce_scatter", group.size * _nbytes(output), wire)
 
 
 def reduce_scatter(
@@ -322,6 +321,9 @@ def reduce_scatter_batch(
     if _batchable(items, total, (x[0] for x in items)):
         seq = _next_seq(group)
         idents = [exchange_id("reduce_scatter", lab or "") for _, _, _, lab in items]
+        for (output, _, _, _), plan in zip(items, plans):
+            _count_reduce_scatter(output, plan, group)
+        _count_headers(group, len(idents))
         handle = reduce_scatter_packed(items, plans, group, seq, idents, True, _header_capacity())
         return [_settle(handle, async_op)] * len(items)
     handles = []
@@ -329,7 +331,10 @@ def reduce_scatter_batch(
         output, inputs, _, label = item
         packed = _small(_nbytes(output)) and (len(pieces) > 1 or bool(label and check))
         seq, ident, wanted = _sequence(group, "reduce_scatter", label, check)
+        _count_reduce_scatter(output, pieces, group)
         if packed:
+            if wanted:
+                _count_headers(group, 1)
             handle = reduce_scatter_packed(
                 [item], [pieces], group, seq, [ident], wanted, _header_capacity()
             )
@@ -401,6 +406,10 @@ def _all_reduce_packed(
     seq = _next_seq(group)
     idents = [exchange_id("all_reduce", lab or "") for _, lab in items]
     fold = len(items) > 1 or (items[0][1] is not None and checks[0])
+    for t, _ in items:  # each tensor goes whole to every peer
+        _COUNTERS.add("all_reduce", _nbytes(t), _nbytes(t) * (group.size - 1))
+    if fold:
+        _count_headers(group, len(idents))
     handle = all_reduce_packed(
         [t for t, _ in items], group, seq, idents, fold, _header_capacity()
     )
@@ -408,7 +417,7 @@ def _all_reduce_packed(
 
 
 def _packed_sum(group: Group, op: Any, tensors: Sequence[torch.Tensor]) -> bool:
-    """Sum these tensors as one packed exchange (`pairwise.all_reduce_packed`)? On gloo, for a
+    """Sum these tensors as one packed exchange (`gloo.all_reduce_packed`)? On gloo, for a
     sum of contiguous tensors of one dtype whose copies to all peers, N-1 times their bytes,
     stay within `COALESCE_BYTES`: there one message round beats the ring's 2(N-1) steps."""
     return (
@@ -489,56 +498,3 @@ def broadcast_pickled(
     if is_src:
         return obj
     return pickle.loads(bytes(data.cpu().tolist()))
-
-
-_RENDEZVOUS_SEQ: dict[str, int] = {}
-
-
-def rendezvous(
-    name: str,
-    *,
-    timeout: float,
-    warn_after: float | None = None,
-    on_slow: Callable[[list[int]], None] | None = None,
-) -> None:
-    """Wait until every rank of the default group has called `rendezvous(name)` as often as
-    this one -- through the process group's key-value store, not a collective.
-
-    It guards calls that are collective but easy to make on one rank only (`if rank == 0:
-    save(...)`): a collective would hang there until the group's timeout, or pair with the
-    other ranks' next unrelated collective. Here nothing is sent on the group, so a missing
-    rank only costs the wait: after `warn_after` seconds `on_slow(missing_ranks)` is called
-    once (to warn), after `timeout` seconds a `TimeoutError` names the ranks that never came,
-    and this call is forgotten (the next one pairs with the other ranks' first).
-    Not counted in `comm_stats()`: it moves no tensor over the group.
-    """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    store = _get_default_store()
-    rank, size = dist.get_rank(), dist.get_world_size()
-    seq = _RENDEZVOUS_SEQ.get(name, 0) + 1
-    prefix = f"fullshard/rendezvous/{name}/{seq}/"
-    store.set(f"{prefix}{rank}", b"1")
-    start = time.monotonic()
-    pending = [r for r in range(size) if r != rank]
-    warned, pause = False, 0.001
-    while pending:
-        pending = [r for r in pending if not store.check([f"{prefix}{r}"])]
-        if not pending:
-            break
-        waited = time.monotonic() - start
-        if not warned and warn_after is not None and waited >= warn_after and on_slow:
-            warned = True
-            on_slow(pending)
-        if waited >= timeout:
-            store.delete_key(f"{prefix}{rank}")
-            raise TimeoutError(
-                f"rank {rank} waited {waited:.0f}s in {name!r} for rank(s) "
-                f"{', '.join(map(str, pending))}, which never called it. {name!r} is "
-                f"collective: every rank must call it (do not wrap it in `if rank == 0:`)."
-            )
-        time.sleep(pause)
-        pause = min(pause * 2, 0.05)
-    _RENDEZVOUS_SEQ[name] = seq

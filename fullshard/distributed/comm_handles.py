@@ -3,6 +3,22 @@ per-kind counters behind `comm_stats()`, and the `CommHandle` of a collective in
 
 Nothing here issues a collective (comm.py is the only module that does); it is split out of
 comm.py so that file can stay about the algorithms. comm.py re-exports every name.
+
+Asynchronous calls return a `CommHandle`; its `wait()` blocks until the data is in place (for
+the gloo reduce-scatter that includes summing our chunk). Until `wait()` returns, the caller
+must keep the input and output tensors alive and untouched; the handle holds references to
+them until then.
+
+[Note: CUDA streams]
+With NCCL every asynchronous collective runs on the process group's own stream, which first
+waits for the work already queued on the current (compute) stream -- so a buffer filled on
+the compute stream (the cast/offloaded all-gather input, the packed gradients) is complete
+before NCCL reads it -- and `wait()` makes the compute stream wait for the collective, so
+kernels queued after it see the result. Memory crosses streams safely without
+`record_stream`: every buffer is allocated on the compute stream and the handle keeps it
+referenced until `wait()` has ordered the compute stream after the collective; only then can
+the caching allocator hand the block out again, to work that is queued after the collective.
+Gathers for the next unit and reductions of the previous one thus overlap compute.
 """
 
 from __future__ import annotations
@@ -85,7 +101,7 @@ def comm_stats() -> dict[str, dict[str, int]]:
 
 def header_stats() -> dict[str, int]:
     """The divergence headers this process sent since the last reset (see [Note: ranks that
-    run different units] in distributed/pairwise.py): not in `comm_stats()`, which counts the
+    run different units] in distributed/gloo.py): not in `comm_stats()`, which counts the
     collectives' data; `bytes` is what they add on the wire, folded into data messages or not."""
     return {"messages": _COUNTERS.header_messages, "bytes": _COUNTERS.header_bytes}
 
@@ -96,9 +112,9 @@ def reset_comm_stats() -> None:
 
 
 class HeaderCheck(Protocol):
-    """What a handle needs of a divergence header (pairwise.py's `Header`): `check()` waits for
+    """What a handle needs of a divergence header (gloo.py's `Header`): `check()` waits for
     the peers' headers and raises if they announce another collective. A protocol, so this file
-    does not import pairwise.py, which builds on it."""
+    does not import gloo.py, which builds on it."""
 
     def check(self) -> None: ...
 

@@ -1,6 +1,6 @@
 """Naming the exchanges of ranks that run different units.
 
-See [Note: ranks that run different units] in distributed/pairwise.py.
+See [Note: ranks that run different units] in distributed/gloo.py.
 
 Pure bookkeeping, no communication: each exchange is identified by the crc32 of its kind and
 label (the unit and bucket), which goes into its point-to-point tags and its header; a
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
+
+import torch
 
 
 class RankDivergenceError(RuntimeError):
@@ -66,3 +68,29 @@ def divergence_message(seq: int, ranks: Sequence[int], idents: Sequence[Sequence
         f"rank (or agree on them with a collective), or run the unit on every rank and "
         f"discard its output. The process group is unusable after this error: restart."
     )
+
+
+MAX_BATCH = 256
+"""Most collectives one exchange carries together (bounds the header's size)."""
+
+
+def header_size(n: int) -> int:
+    """Bytes of the header of an exchange of `n` collectives: int64 sequence number, n, and
+    the n identifiers (crc32 of kind + label). A multiple of 8, so the data after it is
+    aligned for every dtype."""
+    return 8 * (2 + n)
+
+
+HEADER_MAX = header_size(MAX_BATCH)
+
+
+def header_bytes(seq: int, idents: Sequence[int]) -> torch.Tensor:
+    return torch.tensor([seq, len(idents), *idents], dtype=torch.int64).view(torch.uint8)
+
+
+def parse_header(row: torch.Tensor) -> tuple[int, ...]:
+    """The identifiers in a peer's header (none if it is not one we can read)."""
+    n = int(row[:16].view(torch.int64)[1])
+    if not 0 < n <= MAX_BATCH or header_size(n) > row.numel():
+        return ()
+    return tuple(row[16 : header_size(n)].view(torch.int64).tolist())

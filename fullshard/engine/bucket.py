@@ -5,24 +5,17 @@ Memory layout (S = shard-axis size, L = sum of the params' padded shard sizes):
     shard_flat   (L,)     this rank's padded shards, param after param. The user-visible
                           parameters are views of it, so it is also the all-gather input:
                           gathering needs no copy-in.
-    gather out   (S*L,)   the all-gather output, *rank-major*: [rank0: p1 p2 | rank1: p1 p2].
     unsharded    (S*L,)   *parameter-major*: each parameter's S*c padded rows contiguous, so the
                           tensors handed to modules are plain views of one buffer we track
                           (see [Note: ZeRO-3 and saved tensors] in engine/saved_params.py).
-                          With one parameter per bucket the
-                          two layouts coincide, and where the collective can land each piece in
-                          place (gloo's pairwise exchange, comm.gathers_segments) the gather
-                          output is parameter-major already: no copy-out, no second buffer.
-                          Otherwise (NCCL) one `split_with_sizes_copy` reorders it. With S == 1
-                          nothing is gathered and the shards themselves are the unsharded data.
-    reduce input (S*L,)   rank-major again, built from the unsharded gradients with zero padding
-                          (`torch._chunk_cat`), reduced over the shard axis into -- except
-                          where the collective can send each rank's rows straight from the
-                          gradients (gloo, comm.reduce_scatter_segments): then the gradients
-                          themselves are held until the reduction is done, no packed copy.
-    reduce output (L,)    this rank's summed padded gradient shards, all-reduced over the
-                          replicate axis, divided by the data-parallel size; the parameters'
-                          `.grad` are views of it (or are accumulated from it).
+                          What `unit_comm.gather_params` returns; how it gets there (in place
+                          on the wire, or rank-major and copied out once) is the seam's. With
+                          S == 1 nothing is gathered: the shards themselves are the data.
+    reduce output (L,)    this rank's padded gradient shards, averaged over the data-parallel
+                          ranks (`unit_comm.start_reduction`, from the unsharded gradients);
+                          the parameters' `.grad` are views of it (or are accumulated from it).
+    accumulated  (S*L,)   no_sync: the gradients summed over micro-batches, in the layout the
+                          seam reduces from (`unit_comm.accumulate_grads`).
 
 Dtypes and devices: `shard_flat` holds the master dtype (fp32), in host memory under CPU
 offload. The all-gather sends the shards cast to the compute dtype and moved to the compute
@@ -36,14 +29,13 @@ for as long as it is alive.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from fullshard.distributed import comm
-from fullshard.distributed.comm import CommHandle
+from fullshard.distributed import unit_comm
 from fullshard.distributed.mesh import ShardMesh
+from fullshard.distributed.unit_comm import GatherHandle, GatherRequest, ReduceHandle
 from fullshard.engine.memory import track
 from fullshard.engine.sharded_param import ShardedParam
 
@@ -94,15 +86,13 @@ class Bucket:
         host = torch.device("cpu") if offload else device
         pin = offload and torch.cuda.is_available()
         self.shard_flat = torch.zeros(offset, dtype=dtype, device=host, pin_memory=pin)
-        self._gather_out: torch.Tensor | None = None
-        self._gather_handle: CommHandle | None = None
-        self._segmented = False  # the gather output is already parameter-major
+        self._gather_handle: GatherHandle | None = None
         self.unsharded: torch.Tensor | None = None
         # `shard_flat._version` when the current gather started: any in-place write to the
         # shards since (load_state_dict, an edit under no_grad, optimizer.step) bumps it, and
         # the gathered copy is then stale (`is_stale`).
         self._gathered_version = -1
-        self.accumulated_grad: torch.Tensor | None = None  # no_sync, rank-major
+        self.accumulated_grad: torch.Tensor | None = None  # no_sync (unit_comm's layout)
         # no_sync: the `.grad` tensors we saw (or put in place, `_placeholder`) after the last
         # accumulation, with their version counters. `zero_grad` -- the optimizer's or the
         # model's, set_to_none either way -- replaces or zeroes them, which tells us the
@@ -115,7 +105,7 @@ class Bucket:
     def set_label(self, unit_name: str, index: int, *, first_trainable: bool) -> None:
         """Name this bucket in its collectives, so ranks that run different units get an
         error naming them (see [Note: ranks that run different units] in
-        distributed/pairwise.py). Only a unit's
+        distributed/gloo.py). Only a unit's
         first bucket (first trainable one for reductions) sends the header: divergence starts
         at a unit's first collective."""
         self.check_gather, self.check_reduce = index == 0, first_trainable
@@ -123,7 +113,7 @@ class Bucket:
         self.label = (
             f"unit {unit_name or '<root>'!r} (bucket {index}: {self.params[0].fqn}{more})"
         )
-        comm.register_label(self.label)
+        unit_comm.register_label(self.label)
 
     # -- layout -----------------------------------------------------------------------------
     def padded_shard(self, p: ShardedParam) -> torch.Tensor:
@@ -186,9 +176,9 @@ class Bucket:
     def start_gather(self, *, async_op: bool) -> None:
         start_gathers([self], async_op=async_op)
 
-    def _prepare_gather(self) -> tuple | None:
-        """Allocate the gather output; the request `comm.all_gather_batch` takes, or None
-        when there is nothing to exchange (shard-axis size 1: the shards are the data)."""
+    def _prepare_gather(self) -> GatherRequest | None:
+        """The request for the seam, or None when there is nothing to exchange (shard-axis
+        size 1: the shards are the data). The handle keeps `send` alive until it is done."""
         self._gathered_version = self.shard_flat._version
         send = self._gather_input()
         if send is not self.shard_flat:
@@ -196,15 +186,7 @@ class Bucket:
         if self.shard_size == 1:
             self.unsharded = send
             return None
-        n = self.numel * self.shard_size
-        out = track(torch.empty(n, dtype=self.compute_dtype, device=self.device), "param")
-        self._gather_out = out  # the handle keeps `send` alive until the gather completes
-        # Where the collective can place each parameter's rows itself, ask for that layout.
-        segments = None
-        if len(self.params) > 1 and comm.gathers_segments(self.mesh.shard):
-            segments = self.piece_sizes
-        self._segmented = segments is not None
-        return (out, send, segments, self.label)
+        return GatherRequest(send, self.piece_sizes, self.label, self.check_gather)
 
     def finish_gather(self) -> torch.Tensor:
         if self.unsharded is not None:
@@ -213,27 +195,10 @@ class Bucket:
             self.start_gather(async_op=False)
             if self.unsharded is not None:
                 return self.unsharded
-        assert self._gather_handle is not None and self._gather_out is not None
-        self._gather_handle.wait()
-        out, self._gather_out, self._gather_handle = self._gather_out, None, None
-        if len(self.params) == 1 or self._segmented:
-            self.unsharded = out
-            return out
-        s = self.shard_size
-        param_major = track(torch.empty_like(out), "param")
-        torch.split_with_sizes_copy(
-            out.view(s, self.numel),
-            self.piece_sizes,
-            dim=1,
-            out=[self._param_major_slice(param_major, p).view(s, -1) for p in self.params],
-        )
-        del out
-        self.unsharded = param_major
-        return param_major
-
-    def _param_major_slice(self, buf: torch.Tensor, p: ShardedParam) -> torch.Tensor:
-        s = self.shard_size
-        return buf[s * p.offset : s * (p.offset + p.layout.padded_shard_numel)]
+        assert self._gather_handle is not None
+        self.unsharded = self._gather_handle.wait()
+        self._gather_handle = None
+        return self.unsharded
 
     def unsharded_views(self) -> list[torch.Tensor]:
         """The original-shape tensors of this bucket's parameters: views of `unsharded`."""
@@ -242,32 +207,29 @@ class Bucket:
         return [buf[start:stop].view(shape) for start, stop, shape in self._view_spans]
 
     def abandon_gather(self) -> None:
-        """Set aside a gather in flight that cannot complete (a peer is gone), unwaited: its
-        handle and output buffer stay referenced for the rest of the process (`_ABANDONED`),
-        so the comm thread never writes into freed memory; the process group is broken and
-        the process on its way out. A later `release` then has nothing to wait for."""
+        """Set aside a gather in flight that cannot complete (a peer is gone), unwaited
+        (`GatherHandle.abandon`). A later `release` then has nothing to wait for."""
         if self._gather_handle is not None:
-            _ABANDONED.append((self._gather_handle, self._gather_out))
-            self._gather_handle = self._gather_out = None
+            self._gather_handle.abandon()
+            self._gather_handle = None
 
     def release(self) -> None:
         """Drop the unsharded buffer (waiting for a gather still in flight first)."""
         if self._gather_handle is not None:
-            self._gather_handle.wait()
+            self._gather_handle.discard()
             self._gather_handle = None
-        self._gather_out = self.unsharded = None
+        self.unsharded = None
 
     # -- reduce -----------------------------------------------------------------------------
-    def _rank_major_grads(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Pack unsharded gradients rank-major with zero padding: (S * L,)."""
-        s = self.shard_size
-        out = torch.empty(s * self.numel, dtype=self.reduce_dtype, device=self.device)
-        if s > 1:  # with S == 1 the packed gradients become the `.grad` storage itself
-            track(out, "grad")
+    def _reduce_request(
+        self, grads: Sequence[torch.Tensor], accumulated: torch.Tensor | None = None
+    ) -> unit_comm.ReduceRequest:
+        """The seam's request for these unsharded gradients (one per parameter)."""
         rows = [g.reshape(p.layout.dim0, *p.layout.rest) for g, p in zip(grads, self.params)]
-        # Casts to reduce_dtype while packing (the output's dtype wins).
-        torch._chunk_cat(rows, dim=0, num_chunks=s, out=out.view(s, self.numel))
-        return out
+        return unit_comm.ReduceRequest(
+            rows, self.piece_sizes, self.reduce_dtype, self.device, self.label,
+            self.check_reduce, accumulated,
+        )
 
     def unused_grad(self, p: ShardedParam) -> torch.Tensor:
         """What a rank that did not use `p` contributes to the reduction: negative zeros.
@@ -283,11 +245,9 @@ class Bucket:
         """no_sync: add this backward's unsharded gradients to the local accumulator."""
         if self.accumulated_grad is not None and self.accumulation_abandoned():
             self.drop_accumulated_grad()
-        packed = self._rank_major_grads(grads)
-        if self.accumulated_grad is None:
-            self.accumulated_grad = packed
-        else:
-            self.accumulated_grad.add_(packed)
+        self.accumulated_grad = unit_comm.accumulate_grads(
+            self._reduce_request(grads, self.accumulated_grad), self.mesh, track=_grad_track
+        )
         self._mark_grads()
 
     def _mark_grads(self) -> None:
@@ -333,34 +293,17 @@ class Bucket:
 
         `unused[i]`: this rank's backward gave parameter i no gradient (its entry in `grads`
         is `unused_grad`); `write[i]`: parameter i requires grad now, so its `.grad` is set.
-        `defer`: where the reduction is our own exchange (gloo: the shard-axis reduce-scatter
-        of unpacked gradients, or NO_SHARD's all-reduce), leave it to `issue_reductions`
-        (`.request` is then set), which sends small ones together."""
+        `defer`: the seam may hold the reduction to send it with others' (the runtime's
+        `Reductions.submit` then sends it); else it is issued now."""
         if self.accumulated_grad is not None and self.accumulation_abandoned():
             self.drop_accumulated_grad()
         # With a no_sync accumulation, `unused` (this micro-batch) only selects which
         # parameters get the all -0 check: an earlier micro-batch's use makes it fail.
         self._clear_placeholders()
-        if self.accumulated_grad is None and comm.gathers_segments(self.mesh.shard):
-            return PendingReduction(
-                self, unused, write, unpacked=self._flat_grads(grads), defer=defer
-            )
-        packed = self._rank_major_grads(grads)
-        if self.accumulated_grad is not None:
-            packed.add_(self.accumulated_grad)
-            self.accumulated_grad = None
-        return PendingReduction(self, unused, write, packed=packed, defer=defer)
-
-    def _flat_grads(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The unsharded gradients as flat tensors in the reduce dtype, for a reduce-scatter
-        that sends each rank's rows straight from them (no packing). Usually views of
-        autograd's tensors: never modified, since autograd may hand one tensor to several
-        parameters. Counted while the reduction holds them."""
-        flats = []
-        for g in grads:
-            flat = g.reshape(-1).to(self.reduce_dtype)  # copies only if strided or cast
-            flats.append(track(flat, "grad"))
-        return flats
+        request = self._reduce_request(grads, self.accumulated_grad)
+        self.accumulated_grad = None  # consumed by the reduction
+        handle = unit_comm.start_reduction(request, self.mesh, hold=defer, track=_grad_track)
+        return PendingReduction(self, unused, write, handle)
 
     def drop_accumulated_grad(self) -> None:
         """Forget the no_sync accumulation (zero_grad, a failed backward) and its placeholders."""
@@ -373,154 +316,48 @@ class Bucket:
         return flat[start:stop].view(shape)
 
 
-# Gathers set aside by `Bucket.abandon_gather`: (handle, output), never freed.
-_ABANDONED: list[tuple[CommHandle, torch.Tensor | None]] = []
+def _grad_track(t: torch.Tensor) -> torch.Tensor:
+    return track(t, "grad")
 
 
 def start_gathers(buckets: Sequence[Bucket], *, async_op: bool) -> None:
     """Issue the gathers of those `buckets` not gathered or in flight, in order, together:
-    comm sends small ones (several small units' buckets) as one exchange with one handle.
-    All buckets share one shard group."""
+    the seam sends small ones (several small units' buckets) as one exchange. All buckets
+    share one shard group."""
     todo = [b for b in dict.fromkeys(buckets) if not b.in_flight]  # a unit may come twice
     requests = [(b, req) for b in todo if (req := b._prepare_gather()) is not None]
     if not requests:
         return
-    handles = comm.all_gather_batch(
+    handles = unit_comm.gather_params(
         [req for _, req in requests], requests[0][0].mesh.shard, async_op=async_op,
-        check=[b.check_gather for b, _ in requests],
+        track=lambda t: track(t, "param"),
     )
     for (b, _), handle in zip(requests, handles):
         b._gather_handle = handle
 
 
-def issue_reductions(pendings: Sequence[PendingReduction]) -> None:
-    """Issue the deferred reductions of `pendings` (`Bucket.start_reduce(defer=True)`: the
-    shard-axis reduce-scatters, or NO_SHARD's all-reduces) together: comm sends small ones
-    as one exchange with one handle."""
-    sums = [p for p in pendings if p.bucket.mesh.shard.size == 1]  # NO_SHARD's all-reduces
-    scatters = [p for p in pendings if p.bucket.mesh.shard.size > 1]
-    if sums:
-        _issue(sums, comm.all_reduce_batch, sums[0].bucket.mesh.replicate)
-    if scatters:
-        _issue(scatters, comm.reduce_scatter_batch, scatters[0].bucket.mesh.shard)
-
-
-def _issue(
-    pendings: Sequence[PendingReduction],
-    batch: Callable[..., list[CommHandle]],
-    group: comm.Group,
-) -> None:
-    """Hand the pendings' requests to comm's `*_batch` collective on `group`; keep the handles."""
-    handles = batch(
-        [p.request for p in pendings], group, async_op=True,
-        check=[p.bucket.check_reduce for p in pendings],
-    )
-    for p, handle in zip(pendings, handles):
-        p.request, p._handle = None, handle
-
-
 class PendingReduction:
-    """One bucket's gradient reduction in flight: reduce-scatter on the shard axis, then
-    all-reduce on the replicate axis, then average and hand to `.grad`.
+    """One bucket's gradient reduction in flight (the seam's `handle`) and where its result
+    goes: each parameter's `.grad`, or back to autograd."""
 
-    The gradients come either `packed` rank-major (S * L, see `Bucket._rank_major_grads`) or
-    `unpacked`: one flat tensor per parameter, sent chunk by chunk where the backend allows
-    (`comm.reduce_scatter_segments`), which saves writing and reading the whole packed copy.
-
-    Averaging: the sum is divided by the data-parallel size after the reduction, on the
-    (1/S-sized) output. fp16 cannot hold large sums, so an fp16 reduction divides by
-    sqrt(N) before and after instead.
-    """
+    __slots__ = ("bucket", "unused", "write", "handle")
 
     def __init__(
-        self,
-        bucket: Bucket,
-        unused: Sequence[bool],
-        write: Sequence[bool],
-        *,
-        packed: torch.Tensor | None = None,
-        unpacked: list[torch.Tensor] | None = None,
-        defer: bool = False,
+        self, bucket: Bucket, unused: Sequence[bool], write: Sequence[bool], handle: ReduceHandle
     ) -> None:
-        self.bucket = bucket
-        self.request: tuple | None = None  # deferred: what `issue_reductions` sends
-        self.unused = unused
-        self.write = write
-        mesh = bucket.mesh
-        world = mesh.data_parallel_size
-        self._pre = math.sqrt(world) if bucket.reduce_dtype == torch.float16 and world > 1 else 1.0
-        if packed is not None:
-            if self._pre != 1.0:
-                packed.div_(self._pre)
-        else:
-            assert unpacked is not None and mesh.shard.size > 1
-            if self._pre != 1.0:  # out of place: autograd may share these tensors
-                unpacked = [track(g / self._pre, "grad") for g in unpacked]
-        if mesh.shard.size == 1:
-            assert packed is not None
-            self.output = packed  # already this rank's (only) chunk
-            self._replicate_pending = False
-            if defer and comm.pairwise_exchanges(mesh.replicate):
-                self.request = (packed, bucket.label)
-            else:
-                self._handle = comm.all_reduce(
-                    packed, mesh.replicate, async_op=True, label=bucket.label,
-                    check=bucket.check_reduce,
-                )
-        else:
-            self.output = torch.empty(bucket.numel, dtype=bucket.reduce_dtype, device=bucket.device)
-            if packed is not None:
-                self._handle = comm.reduce_scatter(
-                    self.output, packed, mesh.shard, async_op=True,
-                    label=bucket.label, check=bucket.check_reduce,
-                )
-            else:
-                assert unpacked is not None
-                self.request = (self.output, unpacked, bucket.piece_sizes, bucket.label)
-                if not defer:
-                    issue_reductions([self])
-            self._replicate_pending = mesh.replicate.size > 1
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of this rank's reduced shard (what a deferred reduction adds to a batch)."""
-        return self.output.numel() * self.output.element_size()
-
-    def advance(self) -> bool:
-        """Wait for the current stage; start the next. True once the result is final."""
-        assert self.request is None, "a deferred reduction was never issued"
-        self._handle.wait()  # the handle held the reduce input until now
-        if self._replicate_pending:
-            self._replicate_pending = False
-            self._handle = comm.all_reduce(
-                self.output,
-                self.bucket.mesh.replicate,
-                async_op=True,
-                label=self.bucket.label,
-                check=self.bucket.check_reduce,
-            )
-            return False
-        return True
+        self.bucket, self.unused, self.write, self.handle = bucket, unused, write, handle
 
     def discard(self) -> None:
-        """Wait for the stage in flight (every rank issued it) and drop the result: the
-        reduction of a backward that raised. One never issued (deferred) is just dropped."""
-        if self.request is None:
-            self._handle.wait()
+        """Drop the reduction of a backward that raised (`ReduceHandle.discard`)."""
+        self.handle.discard()
 
     def finish(self, *, to_grad: bool = True) -> list[torch.Tensor | None]:
         """Wait until done and average over the data-parallel ranks. Returns each parameter's
         reduced local rows (in the shards' dtype, on the shards' device: host memory under
         CPU offload), None for a parameter that does not require grad or that no rank used;
         with `to_grad` they are also written (or added) to the parameters' `.grad`."""
-        while not self.advance():
-            pass
         bucket = self.bucket
-        out = self.output
-        post = bucket.mesh.data_parallel_size / self._pre
-        if post != 1.0:
-            out.div_(post)
-        out = out.to(bucket.shard_flat.device, bucket.grad_dtype)
+        out = self.handle.wait().to(bucket.shard_flat.device, bucket.grad_dtype)
         result: list[torch.Tensor | None] = []
         with torch.no_grad():
             for i, (p, write, unused) in enumerate(zip(bucket.params, self.write, self.unused)):

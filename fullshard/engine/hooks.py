@@ -15,7 +15,7 @@ end       a callback queued on the autograd engine finishes all reductions and r
           unit, so nothing unsharded survives the step.
 
 The gathers ahead (`_gather_ahead`) and the held reductions (`_queue_reductions`) follow
-small_units.py's budgets: see [Note: small units travel together] in engine/small_units.py.
+the seam's budgets: see [Note: small units travel together] in distributed/unit_comm.py.
 
 [Note: what a training loop may do between steps]
 The loop is the user's (docs/architecture.md, invariant 7); the runtime keeps no state that a
@@ -83,10 +83,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fullshard.config import ShardingPlan
 from fullshard.distributed.mesh import ShardMesh
-from fullshard.engine.bucket import Bucket, PendingReduction, issue_reductions
+from fullshard.distributed.unit_comm import Reductions, gather_batch_bytes
+from fullshard.engine.bucket import Bucket, PendingReduction
 from fullshard.engine.mixed_precision import cast_floating
 from fullshard.engine.saved_params import SavedParams
-from fullshard.engine.small_units import gather_batch_bytes, reduce_batch_bytes
 from fullshard.engine.thunder_refusal import refuse_thunder_trace
 from fullshard.engine.unit import BackwardDone, Unit, UnitState
 
@@ -137,10 +137,10 @@ class Runtime:
         self._backward_plan: dict[Unit, int] = {}
         self._backward_plan_list: list[Unit] = []
         # Reductions in flight, one entry per issue (a unit's buckets, or a batch of small
-        # units' buckets sent together), oldest first; and the deferred ones of small units
-        # not issued yet (see `_queue_reductions`).
+        # units' buckets sent together), oldest first; the seam holds small units' ones
+        # until they go together (see `_queue_reductions`).
         self.pending: collections.deque[list[PendingReduction]] = collections.deque()
-        self._reduce_batch: list[PendingReduction] = []
+        self.reductions = Reductions(mesh, on_issue=self._track_pending)
         # Autograd task whose end-of-backward callback is queued and has not run yet; a
         # value that outlives its task marks a backward that raised (see [Note: what a
         # training loop may do between steps]).
@@ -343,7 +343,7 @@ class Runtime:
         """
         window: list[Unit] = []
         if limit > 0 and pos < len(order) and order[pos] is unit:
-            budget, nbytes = gather_batch_bytes(self.mesh), unit.gather_nbytes
+            budget, nbytes = gather_batch_bytes(self.mesh.shard), unit.gather_nbytes
             for nxt in order[pos + 1 :]:
                 if nxt is unit or nxt in window:
                     continue  # a unit called several times per pass
@@ -468,26 +468,14 @@ class Runtime:
         return result if returns else None
 
     def _queue_reductions(self, unit_pendings: list[PendingReduction]) -> None:
-        """Send one unit's reductions, or hold small ones to go with the next units'.
-
-        A unit's deferred reductions join a batch that is issued (one exchange) once it holds
-        about `SMALL_UNITS_BYTES` per rank: when another unit of the same size would not fit,
-        and at the end of backward. The reductions of at most `max_pending_reductions` issues
-        stay in flight; older ones are finished while earlier units compute."""
-        issued = [p for p in unit_pendings if p.request is None]  # packed: sent already
-        if issued:
-            self._track_pending(issued)
-        batch = self._reduce_batch
-        batch += [p for p in unit_pendings if p.request is not None]
-        size = sum(p.nbytes for p in batch)
-        if batch and size + sum(p.nbytes for p in unit_pendings) > reduce_batch_bytes(self.mesh):
-            self._flush_reductions()
+        """Hand one unit's reductions to the seam, which sends them or holds small ones to go
+        with the next units' (`unit_comm.Reductions`); each issue comes back to
+        `_track_pending`. The reductions of at most `max_pending_reductions` issues stay in
+        flight; older ones are finished while earlier units compute."""
+        self.reductions.submit(unit_pendings)
 
     def _flush_reductions(self) -> None:
-        batch, self._reduce_batch = self._reduce_batch, []
-        if batch:
-            issue_reductions(batch)
-            self._track_pending(batch)
+        self.reductions.flush()
 
     def _track_pending(self, pendings: list[PendingReduction]) -> None:
         self.pending.append(pendings)
@@ -533,7 +521,7 @@ class Runtime:
         """Forget a backward that raised: drop (after waiting for) its pending reductions,
         partial and no_sync gradients and, with `release`, every gathered unit."""
         self.callback_task = None
-        self._reduce_batch = []  # issued by no rank
+        self.reductions.drop_held()  # issued by no rank
         while self.pending:
             for p in self.pending.popleft():
                 p.discard()

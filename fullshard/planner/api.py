@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 
 from fullshard.config import ShardingPlan, resolve_bucketing_strategy, resolve_sharding_strategy
 from fullshard.distributed import comm
-from fullshard.engine.small_units import small_units_bytes
+from fullshard.distributed.unit_comm import small_units_bytes
 from fullshard.engine.wrap import select_units
 from fullshard.planner.hardware import resolve_hardware
 from fullshard.planner.models import resolve_model

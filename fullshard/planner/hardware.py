@@ -78,8 +78,8 @@ from torch.nn import functional as F
 from fullshard.config import FSDPBucketingStrategy, resolve_sharding_strategy
 from fullshard.distributed import comm
 from fullshard.distributed.mesh import build_mesh
+from fullshard.distributed.unit_comm import small_units_bytes
 from fullshard.engine.sharding import shard_module
-from fullshard.engine.small_units import small_units_bytes
 from fullshard.planner.models import load_factory
 from fullshard.planner.profile import WorkCounter
 from fullshard.planner.timing import Hardware

@@ -10,7 +10,7 @@ after forward; the root is kept, see [Note: the root stays gathered] in engine/h
 `_prefetch_backward_start` (see [Note: the turn from forward to backward] in
 engine/hooks.py), `post_backward` with `_queue_reductions` (the `max_pending_reductions`
 window) and the release, `_finalize_backward`. The gloo budgets are the engine's own
-(`small_units_bytes()`; see [Note: small units travel together] in engine/small_units.py).
+(`small_units_bytes()`; see [Note: small units travel together] in distributed/unit_comm.py).
 tests/distributed/test_plan_accuracy.py compares the byte replay with the engine's
 `memory_stats()["peak_unsharded_bytes"]` over real steps, so a schedule that moved shows there;
 `benchmarks/plan_accuracy.py` compares the time replay with measured steps.
@@ -19,7 +19,7 @@ In the unit order root, blocks...:
 
 forward   pre-hook of each unit: start its gather, prefetch the next `prefetch_limit` units
           (the order recorded on the previous step; none on the first step) -- on gloo more
-          while the bytes in flight stay within `SMALL_UNITS_BYTES` per rank (small_units.py),
+          while the bytes in flight stay within `SMALL_UNITS_BYTES` per rank (unit_comm.py),
           refilled only when one of the next `prefetch_limit` is not in flight -- and wait.
           Post-hook: ZeRO-3 releases the unit, ZeRO-2 keeps it. The root's post-hook runs last.
 backward  ZeRO-3 (with S > 1): the root is gathered again first (the LM head is the last op of
@@ -168,7 +168,7 @@ def working_set_bytes(
     batch_bytes: int = 0,
 ) -> int:
     """Peak transient bytes over a step (the larger of the first step and a later one).
-    `batch_bytes`: gloo's `small_units.small_units_bytes()` (small units' exchanges go together), 0
+    `batch_bytes`: gloo's `unit_comm.small_units_bytes()` (small units' exchanges go together), 0
     for NCCL or S == 1."""
     return max(
         _Replay(units, reshard_after_forward and shard_size > 1, prefetch_limit,

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from fullshard.config import mixed_precision_for, resolve_precision, resolve_sharding_strategy
-from fullshard.engine.small_units import small_units_bytes
+from fullshard.distributed.unit_comm import small_units_bytes
 from fullshard.planner.profile import ForwardProfile
 from fullshard.planner.schedule import (
     StepTime,

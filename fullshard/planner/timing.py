@@ -73,7 +73,7 @@ reduce-scatter runs on the shard axis (inside a node) and its all-reduce of the 
 replicate axis (across nodes).
 
 Gloo (the CPU backend): the engine's all-gathers and reduce-scatters are pairwise exchanges
-(`distributed/pairwise.py`): every rank posts its messages to all `n - 1` peers at once, one
+(`distributed/gloo.py`): every rank posts its messages to all `n - 1` peers at once, one
 round, sending `B * (n - 1) / n` (the reduce-scatter too: no all-reduce underneath), so
 
     all-gather / reduce-scatter   messages * alpha + B * (n - 1) / n / bw
@@ -82,7 +82,7 @@ with `alpha` one exchange's fixed cost at this `n` (what `hardware.py` measures:
 all-gather through the engine's own path) and `messages` per peer: 1 for an exchange within
 `comm.COALESCE_BYTES` per rank (packed), else one per piece above `SMALL_PIECE_BYTES`, one
 for the small pieces and one for the header (the engine checks every unit's first bucket).
-Small units travel together (see [Note: small units travel together] in engine/small_units.py):
+Small units travel together (see [Note: small units travel together] in distributed/unit_comm.py):
 units of `u` bytes per rank share one exchange `floor(SMALL_UNITS_BYTES / u)` at a time, so each
 pays that fraction of `alpha`.
 
@@ -102,8 +102,8 @@ from dataclasses import dataclass
 import torch
 
 from fullshard.distributed import comm
-from fullshard.distributed.pairwise import SMALL_PIECE_BYTES
-from fullshard.engine.small_units import small_units_bytes
+from fullshard.distributed.gloo import SMALL_PIECE_BYTES
+from fullshard.distributed.unit_comm import small_units_bytes
 from fullshard.planner.profile import ForwardProfile
 from fullshard.planner.sizes import BucketShape, ModelStructure, PrecisionSpec, size_of
 
@@ -216,7 +216,7 @@ def _exchange(nbytes: float, n: int, bw: float, alpha: float, messages: float) -
 
 
 def _messages(bucket: BucketShape, shard: int, element_size: int) -> int:
-    """Messages per peer of one pairwise exchange of `bucket` (comm._small, pairwise's pieces)."""
+    """Messages per peer of one pairwise exchange of `bucket` (comm._small, gloo.py's pieces)."""
     pieces = [_piece_numel(s, shard) * element_size for s in bucket.shapes]
     if sum(pieces) <= comm.COALESCE_BYTES:
         return 1
@@ -225,7 +225,7 @@ def _messages(bucket: BucketShape, shard: int, element_size: int) -> int:
 
 
 def _piece_numel(shape: torch.Size, shard: int) -> int:
-    """One parameter's padded shard: the piece pairwise.py sends it as."""
+    """One parameter's padded shard: the piece gloo.py sends it as."""
     return BucketShape((shape,), torch.float32, False).padded_shard_numel(shard)
 
 

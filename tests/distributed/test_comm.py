@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fullshard.distributed import comm, pairwise
+from fullshard.distributed import comm, gloo
 from fullshard.engine.layout import ShardLayout
 from fullshard.engine.layout import pad_rows as pad
 
@@ -36,13 +36,13 @@ def _grads(rank: int) -> list[torch.Tensor]:
 # (COALESCE_BYTES, SMALL_PIECE_BYTES): one message per peer; every piece a message of its own;
 # a message per piece of more than 16 bytes per rank and one for the others (2 of 4 pieces
 # on 2 and 3 ranks: see SHAPES).
-EXCHANGES = {"coalesced": (1 << 20, pairwise.SMALL_PIECE_BYTES), "per-piece": (0, 0),
+EXCHANGES = {"coalesced": (1 << 20, gloo.SMALL_PIECE_BYTES), "per-piece": (0, 0),
              "small-pieces-together": (0, 16)}
 
 
 def _set_sizes(exchange: str) -> None:
     """Set the thresholds in this rank process (every call sets them again)."""
-    comm.COALESCE_BYTES, pairwise.SMALL_PIECE_BYTES = EXCHANGES[exchange]
+    comm.COALESCE_BYTES, gloo.SMALL_PIECE_BYTES = EXCHANGES[exchange]
 
 
 def _reduce_scatter_segments(exchange: str) -> dict:
@@ -187,7 +187,7 @@ def test_exchanges_post_their_receives_before_their_sends(group, exchange):
     """Gloo moves a message only after the receiver's notice reached the sender, through the
     pair's one TCP connection, in posting order: a send posted first queues its data ahead of
     our notice, and the peer waits for our data to cross the link before it may send (see
-    [Note: receives are posted first] in fullshard/distributed/pairwise.py). So every receive
+    [Note: receives are posted first] in fullshard/distributed/gloo.py). So every receive
     goes out first."""
     for orders in group.run(_posting_order, exchange):
         for kind, order in orders.items():

@@ -583,7 +583,7 @@ def test_zero3_holds_about_one_unit_zero2_everything(group2, bucketing):
 @contextlib.contextmanager
 def _counting_sends(coalesce_bytes: int):  # type: ignore[no-untyped-def]
     """With `comm.COALESCE_BYTES` set to `coalesce_bytes`, yield a list that gets one entry
-    per point-to-point send (what pairwise.py calls)."""
+    per point-to-point send (what gloo.py calls)."""
     previous, comm.COALESCE_BYTES = comm.COALESCE_BYTES, coalesce_bytes
     sends: list[int] = []
     isend = dist.isend

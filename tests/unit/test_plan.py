@@ -561,7 +561,7 @@ def _gloo_times(world: int, hardware, *, dim: int = 64):
 
 
 def test_gloo_exchanges_are_one_round_and_the_reduce_scatter_sends_once():
-    """Gloo's all-gather and reduce-scatter are pairwise exchanges (distributed/pairwise.py):
+    """Gloo's all-gather and reduce-scatter are pairwise exchanges (distributed/gloo.py):
     one round to all peers, the reduce-scatter sending B (N-1)/N like the all-gather -- not a
     ring's N-1 latencies nor gloo's own reduce-scatter (an all-reduce, twice the bytes)."""
     from fullshard.planner.timing import Hardware

@@ -1,9 +1,9 @@
 """Gloo's all-gather, reduce-scatter and small all-reduce as point-to-point exchanges (for
 comm.py).
 
-comm.py decides which algorithm runs, counts it and is the only caller of torch.distributed
-collectives; this module holds the algorithms it runs on gloo, which use only the
-point-to-point `isend` / `irecv`.
+comm.py decides which algorithm runs, counts it (every counter is added there, none here)
+and is the only caller of torch.distributed collectives; this module holds the algorithms it
+runs on gloo, which use only the point-to-point `isend` / `irecv`, and the divergence header.
 
 [Note: gloo's all-gather and reduce-scatter]
 On gloo (CPU) we do not call the all-gather / reduce-scatter collectives: gloo implements
@@ -61,7 +61,7 @@ than the buffer but aborts the process on a longer one, and a diverged peer may 
 Header bytes are not in `comm_stats()` (they are counted apart: `header_stats()`). What it
 cannot see: a rank that stops communicating altogether (the others then wait until the process
 group's timeout), and the NCCL path (no headers: collectives are matched by NCCL).
-Identifiers, tags and the error's wording live in divergence.py.
+Identifiers, tags, the header's bytes and the error's wording live in divergence.py.
 """
 
 from __future__ import annotations
@@ -72,26 +72,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fullshard.distributed.comm_handles import _COUNTERS, CommHandle, Group, _nbytes
-from fullshard.distributed.divergence import RankDivergenceError, divergence_message
+from fullshard.distributed.comm_handles import CommHandle, Group, _nbytes
+from fullshard.distributed.divergence import (
+    HEADER_MAX,
+    RankDivergenceError,
+    divergence_message,
+    header_bytes,
+    parse_header,
+)
 from fullshard.distributed.divergence import tag as tag_of
-
-MAX_BATCH = 256
-"""Most collectives one exchange carries together (bounds the header's size)."""
-
-
-def header_size(n: int) -> int:
-    """Bytes of the header of an exchange of `n` collectives: int64 sequence number, n, and
-    the n identifiers (crc32 of kind + label). A multiple of 8, so the data after it is
-    aligned for every dtype."""
-    return 8 * (2 + n)
-
-
-HEADER_MAX = header_size(MAX_BATCH)
-
-
-def header_bytes(seq: int, idents: Sequence[int]) -> torch.Tensor:
-    return torch.tensor([seq, len(idents), *idents], dtype=torch.int64).view(torch.uint8)
 
 
 class Header:
@@ -117,7 +106,6 @@ class Header:
             rows = torch.empty(group.size - 1, capacity, dtype=torch.uint8)
             mine, tag = header_bytes(seq, idents), tag_of(seq, 0, 0)
             works = _swap_with_peers(mine, rows, group, tag)
-            _COUNTERS.add_headers(group.size - 1, mine.numel())
         self.rows, self.works = rows, works or []
 
     def check(self) -> None:
@@ -127,17 +115,9 @@ class Header:
         if bool((self.rows[:, : mine.numel()] == mine).all()):
             return
         rank = self.group.rank
-        theirs = [_parse(row) for row in self.rows]
+        theirs = [parse_header(row) for row in self.rows]
         every = theirs[:rank] + [self.idents] + theirs[rank:]  # in group-rank order
         raise RankDivergenceError(divergence_message(self.seq, self.group.ranks, every))
-
-
-def _parse(row: torch.Tensor) -> tuple[int, ...]:
-    """The identifiers in a peer's header (none if it is not one we can read)."""
-    n = int(row[:16].view(torch.int64)[1])
-    if not 0 < n <= MAX_BATCH or header_size(n) > row.numel():
-        return ()
-    return tuple(row[16 : header_size(n)].view(torch.int64).tolist())
 
 
 class _Posts:
@@ -283,8 +263,6 @@ def all_gather_packed(
     staged = torch.empty((size - 1, row), dtype=torch.uint8, device=send.device)
     tag = tag_of(seq, 0, 0) if fold else tag_of(seq, idents[0], 1)
     works = _swap_with_peers(send, staged, group, tag)
-    if fold:
-        _COUNTERS.add_headers(size - 1, head)
     header = Header(group, seq, idents, rows=staged, works=works) if fold else None
 
     def place() -> None:
@@ -353,7 +331,7 @@ def reduce_scatter_pairwise(
     # Received chunks of the peers in rank order (row r - (r > rank)); none on two ranks.
     received = None if direct else output.new_empty((size - 1, output.numel()))
     small = _small_pieces([n for _, n, _ in pieces], output.element_size())
-    posts, wire, offset, plan = _Posts(group), 0, 0, []
+    posts, offset, plan = _Posts(group), 0, []
     packed_for: list[list[torch.Tensor]] = [[] for _ in range(size)]  # chunks for each peer
     packed_mine = 0  # elements of our chunks of the small pieces (what each peer sends us)
     for j, (x, n, real) in enumerate(pieces):
@@ -374,7 +352,6 @@ def reduce_scatter_pairwise(
             if real[dst] > 0:
                 chunk = x[dst * n : dst * n + real[dst]]
                 posts.send(chunk, dst, tag)
-                wire += _nbytes(chunk)
             if mine > 0:
                 into = flat_out if received is None else received[src - (src > rank)]
                 posts.recv(into[offset : offset + mine], src, tag)
@@ -388,11 +365,9 @@ def reduce_scatter_pairwise(
             if packed_for[dst]:
                 sends.append(torch.cat(packed_for[dst]))
                 posts.send(sends[-1], dst, tag)
-                wire += _nbytes(sends[-1])
             if packed_mine > 0:
                 posts.recv(staged[src - (src > rank)], src, tag)
     works = posts.post()
-    _COUNTERS.add("reduce_scatter", size * _nbytes(output), wire)
 
     def sum_in_rank_order() -> None:
         for own, start, mine, n, staged_at in plan:
@@ -451,11 +426,6 @@ def reduce_scatter_packed(
         if counts[rank] > 0 or fold:
             posts.recv(staged[src - (src > rank)], src, tag)
     works = posts.post()
-    for (output, _, _, _), plan in zip(items, plans):  # each item: its peers' real elements
-        wire = sum(real[r] for _, _, real in plan for r in range(size) if r != rank)
-        _COUNTERS.add("reduce_scatter", size * _nbytes(output), wire * esize)
-    if fold:
-        _COUNTERS.add_headers(size - 1, head)
     header = Header(group, seq, idents, rows=staged, works=works) if fold else None
     outs = [output.view(-1) for output, _, _, _ in items]
     mine_bytes = counts[rank] * esize
@@ -514,10 +484,6 @@ def all_reduce_packed(
                          device=send.device)
     tag = tag_of(seq, 0, 0) if fold else tag_of(seq, idents[0], 1)
     works = _swap_with_peers(send, staged, group, tag)
-    for x in flats:
-        _COUNTERS.add("all_reduce", _nbytes(x), _nbytes(x) * (size - 1))
-    if fold:
-        _COUNTERS.add_headers(size - 1, head)
     header = Header(group, seq, idents, rows=staged, works=works) if fold else None
 
     def sum_in_rank_order() -> None:
