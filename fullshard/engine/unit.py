@@ -1,9 +1,13 @@
 """A unit: a module the wrap policy chose, the parameters it owns, and their buckets.
 
 A unit is gathered just before its forward and released after it (ZeRO-3) or after its
-backward (ZeRO-2). Its state is the state of its buckets:
+backward (ZeRO-2). Its state is stored (`Unit.state`), set at each transition and asserted
+where a transition assumes it:
 
-    SHARDED --start_gather--> GATHERING --wait--> GATHERED --release--> SHARDED
+    SHARDED --start_gather--> GATHERING --wait_gathered--> GATHERED --reshard--> SHARDED
+
+(with a shard axis of size 1 nothing is exchanged: start_gather goes to GATHERED at once).
+Every drop of the unsharded buffers goes through `Unit.reshard`, whose docstring is the rule.
 
 Autograd routing: when a gathered unit is installed with grad enabled, its trainable
 parameters' unsharded views pass through `GatheredParams`, an autograd Function whose inputs
@@ -62,13 +66,16 @@ from __future__ import annotations
 import enum
 import functools
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 from fullshard.engine.bucket import Bucket, start_gathers
 from fullshard.engine.sharded_param import ShardedParam
+
+if TYPE_CHECKING:
+    from fullshard.engine.saved_params import SavedParams
 
 
 class GradientSink(Protocol):
@@ -88,6 +95,14 @@ class UnitState(enum.Enum):
     SHARDED = "sharded"
     GATHERING = "gathering"
     GATHERED = "gathered"
+
+
+class Reshard(enum.Enum):
+    """The moment a caller asks `Unit.reshard` whether to drop the unit's unsharded buffers."""
+
+    AFTER_FORWARD = "after forward"  # its post-forward hook (or the root's, for prefetches)
+    AFTER_BACKWARD = "after backward"  # its last autograd node ran, or backward ended
+    NOW = "now"  # a stale copy, reset_step, a load: always
 
 
 class GatheredParams(torch.autograd.Function):
@@ -179,21 +194,25 @@ class Unit:
         self.nodes_done = 0
         self.done_task = -1
         self.partial_grads: list[torch.Tensor | None] | None = None
+        # Set at each transition (module docstring); a unit without parameters stays SHARDED
+        # and counts as gathered and in flight.
+        self.state = UnitState.SHARDED
+        # ZeRO-3's saved-tensor hooks over the gathered buffers, told when they come and go;
+        # None where the unsharded buffer is the shard itself (shard axis of size 1).
+        self.saved: SavedParams | None = None
 
     def __repr__(self) -> str:
         return f"Unit({self.name or '<root>'}, {len(self.params)} params, {self.state.value})"
 
-    @property
-    def state(self) -> UnitState:
-        if any(b.is_gathering for b in self.buckets):
-            return UnitState.GATHERING
-        if self.buckets and all(b.is_gathered for b in self.buckets):
-            return UnitState.GATHERED
-        return UnitState.SHARDED
+    def _expect(self, transition: str, *states: UnitState) -> None:
+        assert self.state in states, (
+            f"unit {self.name or '<root>'!r}: {transition} expects it "
+            f"{' or '.join(s.value for s in states)}, but it is {self.state.value}"
+        )
 
     @property
     def is_gathered(self) -> bool:
-        return all(b.is_gathered for b in self.buckets)
+        return self.state is UnitState.GATHERED or not self.buckets
 
     @property
     def is_installed(self) -> bool:
@@ -207,7 +226,7 @@ class Unit:
     @property
     def in_flight(self) -> bool:
         """Gathered, or its gather issued (True for a unit without parameters)."""
-        return all(b.in_flight for b in self.buckets)
+        return self.state is not UnitState.SHARDED or not self.buckets
 
     @functools.cached_property
     def gather_nbytes(self) -> int:
@@ -216,25 +235,84 @@ class Unit:
         return sum(b.gather_nbytes for b in self.buckets)
 
     def start_gather(self, *, async_op: bool) -> None:
-        start_gathers(self.buckets, async_op=async_op)
+        self.start_gather_with((), async_op=async_op)
 
     def start_gather_with(self, others: Sequence[Unit], *, async_op: bool) -> None:
         """Start this unit's gather and those of `others` (prefetches) together: small ones
-        go as one exchange (bucket.start_gathers)."""
-        buckets = self.buckets + [b for u in others for b in u.buckets]
-        start_gathers(buckets, async_op=async_op)
+        go as one exchange (bucket.start_gathers). Units in flight already are left as they
+        are."""
+        units = [self, *others]
+        start_gathers([b for u in units for b in u.buckets], async_op=async_op)
+        for u in units:
+            if u.buckets and u.state is UnitState.SHARDED:
+                # shard axis of size 1: nothing to exchange, the shards are the data
+                done = u.buckets[0].is_gathered
+                u.state = UnitState.GATHERED if done else UnitState.GATHERING
 
     def wait_gathered(self) -> None:
+        """Wait for the gather started before; ZeRO-3's saved-tensor hooks now know the
+        buffers (see [Note: ZeRO-3 and saved tensors] in engine/saved_params.py)."""
+        if not self.buckets:
+            return
+        self._expect("wait_gathered", UnitState.GATHERING, UnitState.GATHERED)
         for b in self.buckets:
             b.finish_gather()
+        self.state = UnitState.GATHERED
+        if self.saved is not None:
+            self.saved.track(self)
 
-    def release(self) -> None:
+    def reshard(self, at: Reshard, *, recomputing: bool = False, syncing: bool = True) -> None:
+        """Drop the unit's unsharded buffers (waiting for a gather in flight first) if the
+        rule says so at `at`. The one place that frees a gathered unit; callers say when they
+        ask and what the step is doing (`recomputing`: a forward rerun inside backward;
+        `syncing`: False inside no_sync()), the rule decides:
+
+        - `NOW` (a copy older than the shards, reset_step, a load): always.
+        - `AFTER_BACKWARD` (the unit's last autograd node of the pass ran, or backward ended):
+          always, except inside no_sync(), which keeps every unit gathered until the synced
+          backward.
+        - `AFTER_FORWARD`: never during a recomputation (backward is using the unit); always
+          when no backward will come for it (grad disabled, nothing trainable); never inside
+          no_sync(); otherwise `reshard_after_forward` decides, set at wrap from the strategy
+          (config.ShardingPlan.unit_reshards): True for every unit but the root under
+          FULL_SHARD / HYBRID_SHARD (ZeRO-3: released after forward, gathered again for
+          backward); False under SHARD_GRAD_OP (ZeRO-2: kept from forward into backward) and
+          for the root by default ([Note: the root stays gathered] in engine/hooks.py); a
+          per-unit `reshard_after_forward` (FSDP2's) overrides either. NO_SHARD follows
+          SHARD_GRAD_OP's schedule, but its shard axis has size 1: the "unsharded buffer" is
+          the shards themselves (or their cast copy under mixed precision), so resharding
+          frees nothing beyond that copy. HYBRID_SHARD frees on its shard axis exactly as
+          FULL_SHARD or SHARD_GRAD_OP.
+        """
+        if at is Reshard.AFTER_BACKWARD and not syncing:
+            return
+        if at is Reshard.AFTER_FORWARD and not self._reshards_after_forward(
+            recomputing=recomputing, syncing=syncing
+        ):
+            return
+        if self.saved is not None:
+            self.saved.untrack(self)
         self.cached_views = None
         for b in self.buckets:
             b.release()
+        self.state = UnitState.SHARDED
+
+    def _reshards_after_forward(self, *, recomputing: bool, syncing: bool) -> bool:
+        if recomputing:
+            return False
+        if not torch.is_grad_enabled() or not self.trainable_params:
+            return True  # no GatheredParams.backward will come to release it
+        return syncing and self.reshard_after_forward
+
+    def reshard_if_stale(self) -> None:
+        """Drop the gathered copy if the shards were written since it was gathered (a load,
+        an edit under no_grad): it holds the old values. One int compare per bucket."""
+        if any(b.is_stale() for b in self.buckets):
+            self.reshard(Reshard.NOW)
 
     def abandon_gathers(self) -> None:
-        """Set aside the gathers in flight unwaited (a peer is gone: Bucket.abandon_gather)."""
+        """Set aside the gathers in flight unwaited (a peer is gone: Bucket.abandon_gather);
+        `reshard(NOW)` follows."""
         for b in self.buckets:
             b.abandon_gather()
 
@@ -309,7 +387,9 @@ class Unit:
 
     def install(self, runtime: GradientSink, *, with_grad: bool, pass_id: int) -> None:
         """Put the unsharded tensors in place of the shards in every module that uses them."""
-        if self.cached_views is not None and self.cached_pass == pass_id and self.is_gathered:
+        if self.buckets:
+            self._expect("install", UnitState.GATHERED)
+        if self.cached_views is not None and self.cached_pass == pass_id:
             views = self.cached_views
         else:
             frozen = self.frozen_pairs()
@@ -331,6 +411,8 @@ class Unit:
         """Install the gathered tensors for a recomputation inside backward: trainable ones
         through `RecomputedParams` (uncounted, see the module docstring), frozen ones as
         plain views. Never cached: the forward pass's cached views may be stale by now."""
+        if self.buckets:
+            self._expect("install_recomputed", UnitState.GATHERED)
         if self.trainable_params and torch.is_grad_enabled():
             shards = [p.param for p in self.trainable_params]
             trainable = list(RecomputedParams.apply(runtime, self, *shards))
