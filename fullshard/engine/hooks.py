@@ -81,20 +81,17 @@ from typing import Any
 
 import torch
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fullshard.config import ShardingPlan
 from fullshard.distributed.mesh import ShardMesh
+from fullshard.engine.autograd import in_backward as _in_backward
+from fullshard.engine.autograd import mark_frozen_inputs, writes_grad
 from fullshard.engine.bucket import Bucket, PendingReduction, issue_reductions
 from fullshard.engine.mixed_precision import cast_floating
 from fullshard.engine.saved_params import SavedParams
 from fullshard.engine.small_units import gather_batch_bytes, reduce_batch_bytes
 from fullshard.engine.thunder_refusal import refuse_thunder_trace
-from fullshard.engine.unit import BackwardDone, Reshard, Unit
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
+from fullshard.engine.unit import Reshard, Unit
 
 
 class TrainingState(enum.Enum):
@@ -255,23 +252,10 @@ class Runtime:
             and not unit.trainable_params
             and self._wants_saved_tensor_hooks(with_grad, recomputing)
         ):
-            return self._mark_frozen_inputs(unit, args, kwargs)
+            return mark_frozen_inputs(self, unit, self.pass_id, args, kwargs)
         if dtype is not None:
             return args, kwargs
         return None
-
-    def _mark_frozen_inputs(self, unit: Unit, args: Any, kwargs: Any) -> Any:
-        """ZeRO-3, a unit with nothing trainable: pass its grad-requiring inputs through
-        `BackwardDone`, so the unit re-gathered for its backward is released right after."""
-        flat, spec = tree_flatten((args, kwargs))
-        idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
-        if not idx:
-            return args, kwargs
-        outs = BackwardDone.apply(self, unit, *(flat[i] for i in idx))
-        for i, o in zip(idx, outs):
-            flat[i] = o
-        unit.node_created(self.pass_id)
-        return tree_unflatten(flat, spec)
 
     def gather_for_recompute(self, unit: Unit) -> None:
         """Activation checkpointing: gather and install `unit` for a recomputation that runs
@@ -433,16 +417,11 @@ class Runtime:
     def _task_returns_grads(self, unit: Unit) -> bool:
         """Is this backward `torch.autograd.grad` (gradients returned, `.grad` untouched)?
 
-        Autograd exposes no flag for it; `_will_engine_execute_node` on a leaf's
-        AccumulateGrad node answers during `.backward()` and raises during autograd.grad."""
+        Asked once per autograd task (`writes_grad`, engine/autograd.py)."""
         task = torch._C._current_graph_task_id()
         if self._grad_mode_task != task:
             self._grad_mode_task = task
-            try:
-                torch._C._will_engine_execute_node(unit._acc_node)
-                self._returns_grads = False
-            except RuntimeError:
-                self._returns_grads = True
+            self._returns_grads = not writes_grad(unit._acc_node)
         return self._returns_grads
 
     def post_backward(
@@ -555,22 +534,16 @@ class Runtime:
 
     # -- between steps ----------------------------------------------------------------------
     def reset_step(self) -> None:
-        """Return every unit to idle after a forward or backward that raised; the runtime's
-        own recovery and `fullshard.reset_step(model)` (FSDP2's `reset_iter_state`). Outside
-        backward only.
-
-        - After a backward that raised (state BACKWARD or FINISHING: its end-of-backward
-          callback never ran): its reductions in flight are waited for (every rank issued
-          them) and dropped, with the gradients not yet in `.grad` (a unit's partial sum, a
-          no_sync accumulation the failed backward may have added to for some buckets only).
-        - After a forward that raised (state FORWARD: the root's post-hook calls this): its
-          partial order is forgotten, and once a wait for a gather in flight fails (a peer
-          died) the other gathers are set aside unwaited (`Unit.abandon_gathers`): a broken
-          group can only raise again or block, and that would hide the forward's own error.
-        - Always: every unit is uninstalled and resharded, the state is IDLE. The gradients
-          of earlier, complete backwards (`.grad`, a no_sync accumulation) are kept:
-          `zero_grad` drops those.
-        """
+        """Return every unit to idle after a forward or backward that raised (the runtime's
+        own recovery, and `fullshard.reset_step(model)`; see [Note: what a training loop may
+        do between steps]). After a failed backward (BACKWARD, FINISHING) its reductions in
+        flight are waited for and dropped with the gradients not yet in `.grad` (partial
+        sums, a no_sync accumulation it may have half updated). After a failed forward
+        (FORWARD: the root's post-hook calls this) its partial order is forgotten, and once a
+        wait fails (a peer died) the other gathers are set aside unwaited: a broken group can
+        only raise again or block, hiding the forward's own error. Always: every unit is
+        uninstalled and resharded, the state is IDLE; `.grad` and the no_sync accumulation
+        of earlier complete backwards are kept (`zero_grad` drops those)."""
         if _in_backward():
             raise RuntimeError(
                 "fullshard.reset_step(model) (or a load into the model, which resets the step "

@@ -8,13 +8,8 @@ where a transition assumes it:
 
 (with a shard axis of size 1 nothing is exchanged: start_gather goes to GATHERED at once).
 Every drop of the unsharded buffers goes through `Unit.reshard`, whose docstring is the rule.
-
-Autograd routing: when a gathered unit is installed with grad enabled, its trainable
-parameters' unsharded views pass through `GatheredParams`, an autograd Function whose inputs
-are the local shards and whose outputs are the views. Autograd therefore calls its backward
-once, with the unsharded gradients of the whole unit, when the unit's backward is done; the
-runtime (hooks.py) reduces them and writes the shards' `.grad` itself, asynchronously, so the
-Function returns no gradient to autograd. Frozen parameters are installed as plain views.
+With grad enabled its trainable parameters are installed through autograd.py's Functions
+(see [Note: fullshard and autograd] in engine/autograd.py).
 
 Trainable or frozen is read from `param.requires_grad` at every step (`refresh_requires_grad`,
 one tuple comparison per unit when nothing changed), never fixed at wrap: the buckets keep
@@ -23,20 +18,15 @@ through `GatheredParams`, reduced and written to `.grad` follows the flags of th
 bucket with any trainable parameter is reduced whole (zeros travel for its frozen ones, whose
 `.grad` is left alone); a bucket with none is not reduced.
 
-A unit's backward is done when every autograd node it created in the forward pass has run:
-one `GatheredParams` per (re)gathered call, or, for a unit with nothing trainable whose inputs
-require grad, one `BackwardDone` on its inputs (so a frozen unit that ZeRO-3 re-gathers in
-backward is released as soon as gradients have flowed through it). `node_done` counts them;
-the gradients of a unit called several times are summed until the last node and reduced once.
-
 [Note: recomputed forwards]
 Activation checkpointing runs a unit's forward again inside backward. There the runtime's
 pre-hook (hooks.py) gathers the unit as usual but records no order, prefetches nothing, pushes
 no saved-tensor hooks (checkpoint's own hooks must see the recomputed tensors), installs
-through `RecomputedParams` (below) and does not release after forward: backward is using the
-unit, and its `GatheredParams.backward` releases it as always. A checkpointed region that is
-not itself a unit reads the parameters of the units enclosing it, whose hooks do not run
-again: activation_checkpoint.py gathers and installs those (`Runtime.gather_for_recompute`).
+through `RecomputedParams` (autograd.py) and does not release after forward: backward is
+using the unit, and its `GatheredParams.backward` releases it as always. A checkpointed
+region that is not itself a unit reads the parameters of the units enclosing it, whose hooks
+do not run again: activation_checkpoint.py gathers and installs those
+(`Runtime.gather_for_recompute`).
 
 What the recomputed graph is for depends on the checkpoint flavour, and the unit cannot tell
 them apart:
@@ -53,12 +43,6 @@ So a recomputation installs through `RecomputedParams`: not counted, and its bac
 only in the reentrant case) adds the gradients to the unit's sum of the pass
 (`add_partial_grads`), reduced with the unit's last counted node or, when no counted node is
 left to run, by the end-of-backward flush (`Runtime._flush_partial`).
-
-One node per unit, not per bucket: autograd runs ready nodes latest-created first, and all of
-a unit's nodes would be created together at its pre-forward, so a bucket's node could not run
-before the unit's backward is done anyway. (The root's node is created first of all and so
-runs last, even though its LM head is differentiated first; only a node created where the
-head runs could reduce it early.)
 """
 
 from __future__ import annotations
@@ -66,29 +50,17 @@ from __future__ import annotations
 import enum
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from fullshard.engine.autograd import GatheredParams, GradientSink, RecomputedParams
 from fullshard.engine.bucket import Bucket, start_gathers
 from fullshard.engine.sharded_param import ShardedParam
 
 if TYPE_CHECKING:
     from fullshard.engine.saved_params import SavedParams
-
-
-class GradientSink(Protocol):
-    """What a unit's autograd functions below call back into: the `Runtime` (hooks.py), which
-    owns the reductions. A protocol, so this file does not import hooks.py, which builds on it."""
-
-    def post_backward(
-        self, unit: Unit, routing: list[tuple[Bucket, tuple[bool, ...]]], grads: tuple
-    ) -> list | None: ...
-
-    def recomputed_backward(self, unit: Unit, grads: tuple) -> None: ...
-
-    def frozen_backward_done(self, unit: Unit) -> None: ...
 
 
 class UnitState(enum.Enum):
@@ -103,65 +75,6 @@ class Reshard(enum.Enum):
     AFTER_FORWARD = "after forward"  # its post-forward hook (or the root's, for prefetches)
     AFTER_BACKWARD = "after backward"  # its last autograd node ran, or backward ended
     NOW = "now"  # a stale copy, reset_step, a load: always
-
-
-class GatheredParams(torch.autograd.Function):
-    """Identity on the gathered views; its backward hands the unit's gradients to the runtime.
-
-    It returns no gradient to autograd (the runtime writes `.grad` itself, asynchronously),
-    except under `torch.autograd.grad`, where it returns the reduced local-shard gradients."""
-
-    @staticmethod
-    def forward(ctx: Any, runtime: GradientSink, unit: Unit, *shards: torch.Tensor) -> tuple:
-        ctx.runtime = runtime
-        ctx.unit = unit
-        ctx.routing = unit.routing  # this step's trainable flags (replaced, never mutated)
-        ctx.set_materialize_grads(False)  # None, not zeros, for a parameter that got no grad
-        return tuple(unit.trainable_views())
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
-        shard_grads = ctx.runtime.post_backward(ctx.unit, ctx.routing, grads)
-        if shard_grads is None:
-            shard_grads = [None] * len(grads)
-        return (None, None, *shard_grads)
-
-
-class RecomputedParams(torch.autograd.Function):
-    """`GatheredParams` for a recomputation inside backward (activation checkpointing).
-
-    Its node is not counted among the unit's nodes of the pass (see [Note: recomputed
-    forwards]); its backward, which runs only when a reentrant
-    checkpoint differentiates the recomputed graph, adds the unit's gradients to the unit's
-    sum of the pass instead of reducing them."""
-
-    @staticmethod
-    def forward(ctx: Any, runtime: GradientSink, unit: Unit, *shards: torch.Tensor) -> tuple:
-        ctx.runtime = runtime
-        ctx.unit = unit
-        ctx.set_materialize_grads(False)
-        return tuple(unit.trainable_views())
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
-        ctx.runtime.recomputed_backward(ctx.unit, grads)
-        return (None, None, *([None] * len(grads)))
-
-
-class BackwardDone(torch.autograd.Function):
-    """Identity on a frozen unit's inputs: its backward runs once gradients have flowed
-    through the unit, which is then done with its (re-gathered) parameters."""
-
-    @staticmethod
-    def forward(ctx: Any, runtime: GradientSink, unit: Unit, *inputs: torch.Tensor) -> tuple:
-        ctx.runtime = runtime
-        ctx.unit = unit
-        return tuple(x.view_as(x) for x in inputs)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
-        ctx.runtime.frozen_backward_done(ctx.unit)
-        return (None, None, *grads)
 
 
 class Unit:
@@ -409,7 +322,7 @@ class Unit:
 
     def install_recomputed(self, runtime: GradientSink) -> None:
         """Install the gathered tensors for a recomputation inside backward: trainable ones
-        through `RecomputedParams` (uncounted, see the module docstring), frozen ones as
+        through `RecomputedParams` (uncounted, see [Note: recomputed forwards]), frozen ones as
         plain views. Never cached: the forward pass's cached views may be stale by now."""
         if self.buckets:
             self._expect("install_recomputed", UnitState.GATHERED)
