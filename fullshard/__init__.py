@@ -20,6 +20,7 @@ from fullshard.distributed.comm import comm_stats, reset_comm_stats
 from fullshard.engine.full_state import full_state_dict, load_full_state_dict
 from fullshard.engine.memory import memory_stats, reset_memory_stats
 from fullshard.engine.module import FullyShardedModule
+from fullshard.engine.runtime_lookup import reset_step
 from fullshard.planner import PlanTable, plan
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "reset_comm_stats",
     "register_fsdp_forward_method",
     "reset_memory_stats",
+    "reset_step",
 ]
 
 __version__ = "0.1.0"

@@ -20,18 +20,19 @@ the seam's budgets: see [Note: small units travel together] in distributed/unit_
 [Note: what a training loop may do between steps]
 The loop is the user's (docs/architecture.md, invariant 7); the runtime keeps no state that a
 step that went wrong could leave behind:
-- a backward that raised never runs its end-of-backward callback. The callback records the
-  autograd task it was queued for (`callback_task`); the next root forward or `zero_grad`
-  finds it still set and discards the step (`_discard_step`): waits for and drops its
-  pending reductions (all ranks issued them), drops partial and no_sync gradients, releases
-  every unit. A backward of another task queues its own callback.
-- a forward that raised (post-hooks run with `always_call`) releases every unit and waits
-  for the prefetches in flight, or sets them aside once a wait fails (`_forward_failed`).
+- a backward that raised never runs its end-of-backward callback, so the state stays
+  BACKWARD; the next root forward, `zero_grad` or load finds it so and calls `reset_step`:
+  waits for and drops its pending reductions (all ranks issued them), drops partial and
+  no_sync gradients, releases every unit. A backward of another task queues its own callback.
+- a forward that raised (post-hooks run with `always_call`) calls `reset_step` from the root's
+  post-hook: every unit is released, the prefetches in flight waited for, or set aside once a
+  wait fails. A user who catches an exception mid-step may call `fullshard.reset_step(model)`
+  to the same effect.
 - `requires_grad` is read at every root forward (Unit.refresh_requires_grad).
 - `zero_grad` drops a no_sync window: the model's directly (module.py), the optimizer's is
   seen through the `.grad` tensors the window marked (Bucket.accumulation_abandoned).
 - any write to the shards bumps their version counter; a gathered copy older than the shards
-  is dropped and gathered again before it is used (`_drop_stale`).
+  is dropped and gathered again before it is used (`Unit.reshard_if_stale`).
 - `torch.autograd.grad(loss, params)`: the reductions run synchronously and their local-shard
   results are returned to autograd instead of being written to `.grad`.
 
@@ -72,6 +73,7 @@ Activation checkpointing reruns unit forwards inside backward: what the hooks do
 from __future__ import annotations
 
 import collections
+import enum
 import functools
 import sys
 from collections.abc import Sequence
@@ -79,20 +81,49 @@ from typing import Any
 
 import torch
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fullshard.config import ShardingPlan
 from fullshard.distributed.mesh import ShardMesh
 from fullshard.distributed.unit_comm import Reductions, gather_batch_bytes
+from fullshard.engine.autograd import in_backward as _in_backward
+from fullshard.engine.autograd import mark_frozen_inputs, writes_grad
 from fullshard.engine.bucket import Bucket, PendingReduction
 from fullshard.engine.mixed_precision import cast_floating
 from fullshard.engine.saved_params import SavedParams
 from fullshard.engine.thunder_refusal import refuse_thunder_trace
-from fullshard.engine.unit import BackwardDone, Unit, UnitState
+from fullshard.engine.unit import Reshard, Unit
 
 
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
+class TrainingState(enum.Enum):
+    """Where the model is in a step (`Runtime.state`), set at each transition:
+
+    | from                | event                                          | to          |
+    |---------------------|------------------------------------------------|-------------|
+    | IDLE                | the root's pre-forward (outside backward)      | FORWARD     |
+    | BACKWARD, FINISHING | the root's pre-forward (the backward raised)   | FORWARD *   |
+    | FORWARD             | the root's post-forward                        | IDLE        |
+    | FORWARD             | the root's post-forward, the forward raised    | IDLE *      |
+    | IDLE, BACKWARD      | an autograd task's first hook (callback queued)| BACKWARD    |
+    | not RECOMPUTING     | a unit's pre-forward inside backward           | RECOMPUTING |
+    | RECOMPUTING         | the outermost recomputed unit's post-forward   | as before   |
+    | BACKWARD            | that task's end-of-backward callback begins    | FINISHING   |
+    | FINISHING           | that callback ends                             | IDLE        |
+    | any                 | `reset_step` (zero_grad, a load, the user)     | IDLE *      |
+
+    (* through `reset_step`.) A forward with grad that no backward follows ends in IDLE (as
+    FSDP2's); a backward that raised stays in BACKWARD until the next root forward,
+    zero_grad, load or `reset_step`.
+    A reentrant checkpoint's nested backward is a task of its own: its callback ends in IDLE
+    and the outer task's next hook queues a callback again (BACKWARD)."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    RECOMPUTING = "recomputing"
+    BACKWARD = "backward"
+    FINISHING = "finishing"
+
+
+_BACKWARD_UNFINISHED = (TrainingState.BACKWARD, TrainingState.FINISHING)
 
 
 class Runtime:
@@ -141,53 +172,69 @@ class Runtime:
         # until they go together (see `_queue_reductions`).
         self.pending: collections.deque[list[PendingReduction]] = collections.deque()
         self.reductions = Reductions(mesh, on_issue=self._track_pending)
-        # Autograd task whose end-of-backward callback is queued and has not run yet; a
-        # value that outlives its task marks a backward that raised (see [Note: what a
-        # training loop may do between steps]).
+        self.state = TrainingState.IDLE
+        # RECOMPUTING: how many recomputed forwards are open, and the state they interrupted
+        self._recompute_depth = 0
+        self._resume_state = TrainingState.IDLE
+        # Autograd task whose end-of-backward callback is queued and has not run yet (state
+        # BACKWARD until it runs; see [Note: what a training loop may do between steps]).
         self.callback_task: int | None = None
         self._grad_mode_task = -1  # task for which `_returns_grads` was decided
         self._returns_grads = False  # this task is torch.autograd.grad: return, don't write
-        # ZeRO-3: the saved-tensor hooks over gathered buffers (saved_params.py)
+        # ZeRO-3: the saved-tensor hooks over gathered buffers (saved_params.py), which the
+        # units tell when their buffers come and go (not needed where a unit's unsharded
+        # buffer is the shard itself)
         self.saved = SavedParams(regather=self._regather_saved)
+        for u in units:
+            u.saved = self.saved if mesh.shard.size > 1 else None
         # id() of the exception being handled when the root forward began (id(None) if
         # none): an id, not a reference, so an OOM-retry loop's exception is not kept alive.
         self._forward_exc = id(None)
 
-    @property
-    def callback_queued(self) -> bool:
-        return self.callback_task is not None
+    # -- the step's state -------------------------------------------------------------------
+    def _set_phase(self, state: TrainingState) -> None:
+        """Enter `state`; inside a recomputation, the state it resumes when it ends."""
+        if self.state is TrainingState.RECOMPUTING:
+            self._resume_state = state
+        else:
+            self.state = state
 
-    # -- gather / release bookkeeping -------------------------------------------------------
-    def _wait(self, unit: Unit) -> None:
-        unit.wait_gathered()
-        if self.mesh.shard.size > 1:  # else the unsharded buffer is the shard itself
-            self.saved.track(unit)
+    def _begin_recompute(self) -> None:
+        if self._recompute_depth == 0:
+            self._resume_state, self.state = self.state, TrainingState.RECOMPUTING
+        self._recompute_depth += 1
 
-    def _release(self, unit: Unit) -> None:
-        if self.mesh.shard.size > 1:
-            self.saved.untrack(unit)
-        unit.release()
+    def _end_recompute(self) -> None:
+        self._recompute_depth -= 1
+        if self._recompute_depth == 0:
+            self.state = self._resume_state
 
-    def _drop_stale(self, unit: Unit) -> None:
-        """Release `unit` if its shards were written since it was gathered (a load, an edit
-        under no_grad): its gathered copy holds the old values. One int compare per bucket."""
-        if any(b.is_stale() for b in unit.buckets):
-            self._release(unit)
+    def _reshard(self, unit: Unit, at: Reshard) -> None:
+        """Ask `unit` whether to drop its unsharded buffers now (Unit.reshard decides)."""
+        unit.reshard(
+            at,
+            recomputing=self.state is TrainingState.RECOMPUTING,
+            syncing=self.sync_gradients,
+        )
 
     # -- forward ----------------------------------------------------------------------------
     def pre_forward(self, unit: Unit, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
-        refuse_thunder_trace(unit.name)  # thunder.jit of the model or a unit: a dict lookup
+        # A forward inside backward is a recomputation (activation checkpointing): the one
+        # place the state is read from autograd rather than stored.
         recomputing = _in_backward()
+        if recomputing:
+            self._begin_recompute()  # post_forward (always called) ends it
+        refuse_thunder_trace(unit.name)  # thunder.jit of the model or a unit: a dict lookup
         if unit is self.root and not recomputing:
             self._begin_forward()
-        self._drop_stale(unit)
+        unit.reshard_if_stale()
         if recomputing:
             unit.start_gather(async_op=True)
         else:
             self.forward_order.append(unit)
             pos = len(self.forward_order) - 1
             self._gather_ahead(unit, self.forward_order_prev, pos, self.prefetch_limit)
-        self._wait(unit)
+        unit.wait_gathered()
         with_grad = torch.is_grad_enabled()
         if recomputing:
             unit.install_recomputed(self)  # see [Note: recomputed forwards] in engine/unit.py
@@ -205,23 +252,10 @@ class Runtime:
             and not unit.trainable_params
             and self._wants_saved_tensor_hooks(with_grad, recomputing)
         ):
-            return self._mark_frozen_inputs(unit, args, kwargs)
+            return mark_frozen_inputs(self, unit, self.pass_id, args, kwargs)
         if dtype is not None:
             return args, kwargs
         return None
-
-    def _mark_frozen_inputs(self, unit: Unit, args: Any, kwargs: Any) -> Any:
-        """ZeRO-3, a unit with nothing trainable: pass its grad-requiring inputs through
-        `BackwardDone`, so the unit re-gathered for its backward is released right after."""
-        flat, spec = tree_flatten((args, kwargs))
-        idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
-        if not idx:
-            return args, kwargs
-        outs = BackwardDone.apply(self, unit, *(flat[i] for i in idx))
-        for i, o in zip(idx, outs):
-            flat[i] = o
-        unit.node_created(self.pass_id)
-        return tree_unflatten(flat, spec)
 
     def gather_for_recompute(self, unit: Unit) -> None:
         """Activation checkpointing: gather and install `unit` for a recomputation that runs
@@ -232,10 +266,10 @@ class Runtime:
         hands their gradients to `recomputed_backward`. Released by the unit's own last node,
         or at the end of backward."""
         self._ensure_backward_callback()
-        self._drop_stale(unit)
+        unit.reshard_if_stale()
         if not unit.is_gathered:
             unit.start_gather(async_op=False)
-        self._wait(unit)
+        unit.wait_gathered()
         unit.install_recomputed(self)
 
     def recomputed_backward(self, unit: Unit, grads: tuple[torch.Tensor | None, ...]) -> None:
@@ -251,51 +285,35 @@ class Runtime:
         # ZeRO-3 with grad: this pass's backward gathers units again
         regathers = unit is self.root and self.saved.pop()
         unit.uninstall()
-        if unit is self.root and not _in_backward() and id(sys.exc_info()[1]) != self._forward_exc:
+        if self.state is TrainingState.RECOMPUTING:
+            self._reshard(unit, Reshard.AFTER_FORWARD)  # keeps it: backward is using it
+            self._end_recompute()
+            return
+        if unit is not self.root:
+            self._reshard(unit, Reshard.AFTER_FORWARD)
+            return
+        if id(sys.exc_info()[1]) != self._forward_exc:
             # `always_call`: the forward raised (an exception other than the one being
             # handled when it started, e.g. by an OOM-retry loop's `except` block).
-            self._forward_failed()
+            self.reset_step()
             return
-        if unit is self.root:
-            if self._release_after_forward(unit, unit.reshard_after_forward):
-                self._release(unit)
-            # Units prefetched that this forward did not run, where they reshard (the ones
-            # it ran were released, or kept, by their own post-hooks already). None can be
-            # under ZeRO-2 with grad: skip the walk there.
-            if self._any_reshards or not torch.is_grad_enabled():
-                for u in self.units[1:]:
-                    if (u.is_gathered or u.state is UnitState.GATHERING) and (
-                        self._release_after_forward(u, u.reshard_after_forward)
-                    ):
-                        self._release(u)
-            if regathers:
-                self._prefetch_backward_start(self._expected_backward_order())
-        elif self._release_after_forward(unit, unit.reshard_after_forward):
-            self._release(unit)
-
-    def _forward_failed(self) -> None:
-        """Release every unit after a forward raised: no backward will come for them (the
-        partial order is not kept). Prefetches in flight are waited for, but once a wait fails
-        (a peer died) the rest are set aside unwaited (`Bucket.abandon_gather`): a broken group
-        can only raise again or block, and that would hide the forward's own error."""
-        self._forward_exc = id(None)
-        broken = False
-        for u in self.units:
-            u.uninstall()
-            if not broken:
-                try:
-                    self._release(u)
-                    continue
-                except Exception:  # noqa: BLE001 - the forward's error is the one to see
-                    broken = True
-            u.abandon_gathers()
-            self._release(u)
-        self.forward_order = []
+        self._reshard(unit, Reshard.AFTER_FORWARD)
+        # Units prefetched that this forward did not run, where they reshard (the ones it ran
+        # were released, or kept, by their own post-hooks already). None can be under ZeRO-2
+        # with grad: skip the walk there.
+        if self._any_reshards or not torch.is_grad_enabled():
+            for u in self.units[1:]:
+                if u.in_flight:
+                    self._reshard(u, Reshard.AFTER_FORWARD)
+        if regathers:
+            self._prefetch_backward_start(self._expected_backward_order())
+        self.state = TrainingState.IDLE
 
     def _begin_forward(self) -> None:
+        if self.state in _BACKWARD_UNFINISHED:
+            self.reset_step()  # the last backward raised
+        self.state = TrainingState.FORWARD
         self._forward_exc = id(sys.exc_info()[1])
-        if self.callback_task is not None:
-            self._discard_step()  # the last backward raised
         abandoned = False
         for unit in self.units:  # a few pointer comparisons per parameter and step
             for bucket in unit.buckets:
@@ -318,17 +336,6 @@ class Runtime:
             and self.sync_gradients
             and self.mesh.shard.size > 1
         )
-
-    def _release_after_forward(self, unit: Unit, reshard: bool) -> bool:
-        """Release `unit` after its forward? `reshard`: the plan's choice for it (see
-        [Note: the root stays gathered])."""
-        if _in_backward():
-            return False  # recomputation: backward is using the unit
-        if not torch.is_grad_enabled() or not unit.trainable_params:
-            return True  # no GatheredParams.backward will come to release it
-        if not self.sync_gradients:
-            return False  # no_sync keeps units gathered until the synced backward
-        return reshard
 
     def _gather_ahead(self, unit: Unit, order: list[Unit], pos: int, limit: int) -> None:
         """Have `unit` gathered or in flight, and prefetch what follows it in `order` (the
@@ -354,7 +361,7 @@ class Runtime:
         if unit.in_flight and all(u.in_flight for u in window[:limit]):
             return
         for u in window:
-            self._drop_stale(u)
+            u.reshard_if_stale()
         unit.start_gather_with(window, async_op=True)
 
     # -- ZeRO-3 saved tensors ---------------------------------------------------------------
@@ -368,7 +375,7 @@ class Runtime:
             self.backward_order.append(unit)
             pos = self._backward_plan.get(unit, len(self._backward_plan_list))
             self._gather_ahead(unit, self._backward_plan_list, pos, self.backward_prefetch_limit)
-            self._wait(unit)
+            unit.wait_gathered()
 
     def _expected_backward_order(self) -> list[Unit]:
         """The order backward is expected to gather units in: last step's, else the reverse
@@ -399,6 +406,7 @@ class Runtime:
         # outside backward (next forward, zero_grad).
         Variable._execution_engine.queue_callback(functools.partial(self._finalize_backward, task))
         self.callback_task = task
+        self._set_phase(TrainingState.BACKWARD)
         order = self._expected_backward_order()
         plan: dict[Unit, int] = {}
         for i, u in enumerate(order):
@@ -409,16 +417,11 @@ class Runtime:
     def _task_returns_grads(self, unit: Unit) -> bool:
         """Is this backward `torch.autograd.grad` (gradients returned, `.grad` untouched)?
 
-        Autograd exposes no flag for it; `_will_engine_execute_node` on a leaf's
-        AccumulateGrad node answers during `.backward()` and raises during autograd.grad."""
+        Asked once per autograd task (`writes_grad`, engine/autograd.py)."""
         task = torch._C._current_graph_task_id()
         if self._grad_mode_task != task:
             self._grad_mode_task = task
-            try:
-                torch._C._will_engine_execute_node(unit._acc_node)
-                self._returns_grads = False
-            except RuntimeError:
-                self._returns_grads = True
+            self._returns_grads = not writes_grad(unit._acc_node)
         return self._returns_grads
 
     def post_backward(
@@ -463,8 +466,7 @@ class Runtime:
             unit_pendings.append(pending)
         if unit_pendings:
             self._queue_reductions(unit_pendings)
-        if self.sync_gradients:
-            self._release(unit)
+        self._reshard(unit, Reshard.AFTER_BACKWARD)
         return result if returns else None
 
     def _queue_reductions(self, unit_pendings: list[PendingReduction]) -> None:
@@ -486,8 +488,8 @@ class Runtime:
     def frozen_backward_done(self, unit: Unit) -> None:
         """`BackwardDone.backward`: gradients have flowed through a unit with nothing
         trainable; release it once its last node of the pass has run (ZeRO-3)."""
-        if unit.node_done(torch._C._current_graph_task_id()) and self.sync_gradients:
-            self._release(unit)
+        if unit.node_done(torch._C._current_graph_task_id()):
+            self._reshard(unit, Reshard.AFTER_BACKWARD)
 
     def _flush_partial(self) -> None:
         """Reduce the summed gradients of units called several times whose other nodes never
@@ -498,18 +500,20 @@ class Runtime:
                 self.post_backward(u, u.routing, tuple([None] * len(u.trainable_params)))
 
     def _finalize_backward(self, task: int) -> None:
+        if self.callback_task == task:
+            self._set_phase(TrainingState.FINISHING)
         try:
             self._flush_partial()
             self._flush_reductions()
             self._finish_pending()
-            if self.sync_gradients:
-                for u in self.units:
-                    self._release(u)
+            for u in self.units:
+                self._reshard(u, Reshard.AFTER_BACKWARD)
             if self.backward_order:
                 self.backward_order_prev = self.backward_order
         finally:
             if self.callback_task == task:
                 self.callback_task = None
+                self._set_phase(TrainingState.IDLE)
 
     def _finish_pending(self) -> None:
         while self.pending:
@@ -517,50 +521,72 @@ class Runtime:
                 p.finish()
 
     # -- between steps ----------------------------------------------------------------------
-    def _discard_step(self, *, release: bool = True) -> None:
-        """Forget a backward that raised: drop (after waiting for) its pending reductions,
-        partial and no_sync gradients and, with `release`, every gathered unit."""
-        self.callback_task = None
-        self.reductions.drop_held()  # issued by no rank
-        while self.pending:
-            for p in self.pending.popleft():
-                p.discard()
-        self._drop_gradients(release=release)
+    def reset_step(self) -> None:
+        """Return every unit to idle after a forward or backward that raised (the runtime's
+        own recovery, and `fullshard.reset_step(model)`; see [Note: what a training loop may
+        do between steps]). After a failed backward (BACKWARD, FINISHING) its reductions in
+        flight are waited for and dropped with the gradients not yet in `.grad` (partial
+        sums, a no_sync accumulation it may have half updated). After a failed forward
+        (FORWARD: the root's post-hook calls this) its partial order is forgotten, and once a
+        wait fails (a peer died) the other gathers are set aside unwaited: a broken group can
+        only raise again or block, hiding the forward's own error. Always: every unit is
+        uninstalled and resharded, the state is IDLE; `.grad` and the no_sync accumulation
+        of earlier complete backwards are kept (`zero_grad` drops those)."""
+        if _in_backward():
+            raise RuntimeError(
+                "fullshard.reset_step(model) (or a load into the model, which resets the step "
+                "first) was called inside backward; call it after the exception has left "
+                "forward() or backward(), e.g. in your `except` block."
+            )
+        failed = self.state
+        if failed is TrainingState.RECOMPUTING:
+            failed = self._resume_state
+        self.state, self._recompute_depth, self.callback_task = TrainingState.IDLE, 0, None
+        self._forward_exc = id(None)
+        if failed in _BACKWARD_UNFINISHED:
+            self.reductions.drop_held()  # issued by no rank
+            while self.pending:
+                for p in self.pending.popleft():
+                    p.discard()
+            self._drop_gradients()
+        if failed is TrainingState.FORWARD:
+            self.forward_order = []
+        broken = False
+        for u in self.units:
+            u.uninstall()
+            if not broken:
+                try:
+                    u.reshard(Reshard.NOW)
+                    continue
+                except Exception:
+                    if failed is not TrainingState.FORWARD:
+                        raise
+                    broken = True  # the forward's error is the one to see
+            u.abandon_gathers()
+            u.reshard(Reshard.NOW)
 
-    def _drop_gradients(self, *, release: bool = True) -> None:
+    def _drop_gradients(self) -> None:
+        """Forget the gradients not yet in `.grad`: partial sums, no_sync accumulations."""
         for u in self.units:
             u.partial_grads = None
             for b in u.buckets:
                 b.drop_accumulated_grad()
-            if release:
-                self._release(u)
 
     def zero_grad(self) -> None:
         """`model.zero_grad()`: drop what a failed backward or an abandoned no_sync window
         left (gradients not yet in `.grad`) and release the units they kept gathered."""
         if _in_backward():
             return
-        if self.callback_task is not None:
-            self._discard_step()
-        else:
-            self._drop_gradients()
+        self.reset_step()
+        self._drop_gradients()
 
     def invalidate(self) -> None:
         """The shards were overwritten (a load): release every gathered copy now."""
         if _in_backward():
             return
-        for u in self.units:
-            u.uninstall()
-            self._release(u)
+        self.reset_step()
 
     def release_all(self) -> None:
         """Drop every unsharded buffer and any no_sync accumulation (e.g. before a load)."""
-        if self.callback_task is not None and not _in_backward():
-            self._discard_step()
-        self._flush_reductions()
-        self._finish_pending()
-        for u in self.units:
-            self._release(u)
-            u.partial_grads = None
-            for b in u.buckets:
-                b.drop_accumulated_grad()
+        self.reset_step()
+        self._drop_gradients()

@@ -13,7 +13,9 @@ handle every unit.
 
 The runtime (hooks.py) tells `SavedParams` which buffers are gathered (`track` / `untrack`),
 pushes the hooks for the root's forward and pops them at its end; unpacking a token calls the
-runtime back (`regather`) before the view of the new buffer is returned.
+runtime back (`regather`) before the view of the new buffer is returned. What else autograd
+holds of a unit, and the Functions that route its gradients: [Note: fullshard and autograd] in
+engine/autograd.py.
 """
 
 from __future__ import annotations

@@ -1,16 +1,15 @@
 """A unit: a module the wrap policy chose, the parameters it owns, and their buckets.
 
 A unit is gathered just before its forward and released after it (ZeRO-3) or after its
-backward (ZeRO-2). Its state is the state of its buckets:
+backward (ZeRO-2). Its state is stored (`Unit.state`), set at each transition and asserted
+where a transition assumes it:
 
-    SHARDED --start_gather--> GATHERING --wait--> GATHERED --release--> SHARDED
+    SHARDED --start_gather--> GATHERING --wait_gathered--> GATHERED --reshard--> SHARDED
 
-Autograd routing: when a gathered unit is installed with grad enabled, its trainable
-parameters' unsharded views pass through `GatheredParams`, an autograd Function whose inputs
-are the local shards and whose outputs are the views. Autograd therefore calls its backward
-once, with the unsharded gradients of the whole unit, when the unit's backward is done; the
-runtime (hooks.py) reduces them and writes the shards' `.grad` itself, asynchronously, so the
-Function returns no gradient to autograd. Frozen parameters are installed as plain views.
+(with a shard axis of size 1 nothing is exchanged: start_gather goes to GATHERED at once).
+Every drop of the unsharded buffers goes through `Unit.reshard`, whose docstring is the rule.
+With grad enabled its trainable parameters are installed through autograd.py's Functions
+(see [Note: fullshard and autograd] in engine/autograd.py).
 
 Trainable or frozen is read from `param.requires_grad` at every step (`refresh_requires_grad`,
 one tuple comparison per unit when nothing changed), never fixed at wrap: the buckets keep
@@ -19,20 +18,15 @@ through `GatheredParams`, reduced and written to `.grad` follows the flags of th
 bucket with any trainable parameter is reduced whole (zeros travel for its frozen ones, whose
 `.grad` is left alone); a bucket with none is not reduced.
 
-A unit's backward is done when every autograd node it created in the forward pass has run:
-one `GatheredParams` per (re)gathered call, or, for a unit with nothing trainable whose inputs
-require grad, one `BackwardDone` on its inputs (so a frozen unit that ZeRO-3 re-gathers in
-backward is released as soon as gradients have flowed through it). `node_done` counts them;
-the gradients of a unit called several times are summed until the last node and reduced once.
-
 [Note: recomputed forwards]
 Activation checkpointing runs a unit's forward again inside backward. There the runtime's
 pre-hook (hooks.py) gathers the unit as usual but records no order, prefetches nothing, pushes
 no saved-tensor hooks (checkpoint's own hooks must see the recomputed tensors), installs
-through `RecomputedParams` (below) and does not release after forward: backward is using the
-unit, and its `GatheredParams.backward` releases it as always. A checkpointed region that is
-not itself a unit reads the parameters of the units enclosing it, whose hooks do not run
-again: activation_checkpoint.py gathers and installs those (`Runtime.gather_for_recompute`).
+through `RecomputedParams` (autograd.py) and does not release after forward: backward is
+using the unit, and its `GatheredParams.backward` releases it as always. A checkpointed
+region that is not itself a unit reads the parameters of the units enclosing it, whose hooks
+do not run again: activation_checkpoint.py gathers and installs those
+(`Runtime.gather_for_recompute`).
 
 What the recomputed graph is for depends on the checkpoint flavour, and the unit cannot tell
 them apart:
@@ -49,12 +43,6 @@ So a recomputation installs through `RecomputedParams`: not counted, and its bac
 only in the reentrant case) adds the gradients to the unit's sum of the pass
 (`add_partial_grads`), reduced with the unit's last counted node or, when no counted node is
 left to run, by the end-of-backward flush (`Runtime._flush_partial`).
-
-One node per unit, not per bucket: autograd runs ready nodes latest-created first, and all of
-a unit's nodes would be created together at its pre-forward, so a bucket's node could not run
-before the unit's backward is done anyway. (The root's node is created first of all and so
-runs last, even though its LM head is differentiated first; only a node created where the
-head runs could reduce it early.)
 """
 
 from __future__ import annotations
@@ -62,26 +50,17 @@ from __future__ import annotations
 import enum
 import functools
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from fullshard.engine.autograd import GatheredParams, GradientSink, RecomputedParams
 from fullshard.engine.bucket import Bucket, start_gathers
 from fullshard.engine.sharded_param import ShardedParam
 
-
-class GradientSink(Protocol):
-    """What a unit's autograd functions below call back into: the `Runtime` (hooks.py), which
-    owns the reductions. A protocol, so this file does not import hooks.py, which builds on it."""
-
-    def post_backward(
-        self, unit: Unit, routing: list[tuple[Bucket, tuple[bool, ...]]], grads: tuple
-    ) -> list | None: ...
-
-    def recomputed_backward(self, unit: Unit, grads: tuple) -> None: ...
-
-    def frozen_backward_done(self, unit: Unit) -> None: ...
+if TYPE_CHECKING:
+    from fullshard.engine.saved_params import SavedParams
 
 
 class UnitState(enum.Enum):
@@ -90,63 +69,12 @@ class UnitState(enum.Enum):
     GATHERED = "gathered"
 
 
-class GatheredParams(torch.autograd.Function):
-    """Identity on the gathered views; its backward hands the unit's gradients to the runtime.
+class Reshard(enum.Enum):
+    """The moment a caller asks `Unit.reshard` whether to drop the unit's unsharded buffers."""
 
-    It returns no gradient to autograd (the runtime writes `.grad` itself, asynchronously),
-    except under `torch.autograd.grad`, where it returns the reduced local-shard gradients."""
-
-    @staticmethod
-    def forward(ctx: Any, runtime: GradientSink, unit: Unit, *shards: torch.Tensor) -> tuple:
-        ctx.runtime = runtime
-        ctx.unit = unit
-        ctx.routing = unit.routing  # this step's trainable flags (replaced, never mutated)
-        ctx.set_materialize_grads(False)  # None, not zeros, for a parameter that got no grad
-        return tuple(unit.trainable_views())
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
-        shard_grads = ctx.runtime.post_backward(ctx.unit, ctx.routing, grads)
-        if shard_grads is None:
-            shard_grads = [None] * len(grads)
-        return (None, None, *shard_grads)
-
-
-class RecomputedParams(torch.autograd.Function):
-    """`GatheredParams` for a recomputation inside backward (activation checkpointing).
-
-    Its node is not counted among the unit's nodes of the pass (see [Note: recomputed
-    forwards]); its backward, which runs only when a reentrant
-    checkpoint differentiates the recomputed graph, adds the unit's gradients to the unit's
-    sum of the pass instead of reducing them."""
-
-    @staticmethod
-    def forward(ctx: Any, runtime: GradientSink, unit: Unit, *shards: torch.Tensor) -> tuple:
-        ctx.runtime = runtime
-        ctx.unit = unit
-        ctx.set_materialize_grads(False)
-        return tuple(unit.trainable_views())
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
-        ctx.runtime.recomputed_backward(ctx.unit, grads)
-        return (None, None, *([None] * len(grads)))
-
-
-class BackwardDone(torch.autograd.Function):
-    """Identity on a frozen unit's inputs: its backward runs once gradients have flowed
-    through the unit, which is then done with its (re-gathered) parameters."""
-
-    @staticmethod
-    def forward(ctx: Any, runtime: GradientSink, unit: Unit, *inputs: torch.Tensor) -> tuple:
-        ctx.runtime = runtime
-        ctx.unit = unit
-        return tuple(x.view_as(x) for x in inputs)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
-        ctx.runtime.frozen_backward_done(ctx.unit)
-        return (None, None, *grads)
+    AFTER_FORWARD = "after forward"  # its post-forward hook (or the root's, for prefetches)
+    AFTER_BACKWARD = "after backward"  # its last autograd node ran, or backward ended
+    NOW = "now"  # a stale copy, reset_step, a load: always
 
 
 class Unit:
@@ -179,21 +107,25 @@ class Unit:
         self.nodes_done = 0
         self.done_task = -1
         self.partial_grads: list[torch.Tensor | None] | None = None
+        # Set at each transition (module docstring); a unit without parameters stays SHARDED
+        # and counts as gathered and in flight.
+        self.state = UnitState.SHARDED
+        # ZeRO-3's saved-tensor hooks over the gathered buffers, told when they come and go;
+        # None where the unsharded buffer is the shard itself (shard axis of size 1).
+        self.saved: SavedParams | None = None
 
     def __repr__(self) -> str:
         return f"Unit({self.name or '<root>'}, {len(self.params)} params, {self.state.value})"
 
-    @property
-    def state(self) -> UnitState:
-        if any(b.is_gathering for b in self.buckets):
-            return UnitState.GATHERING
-        if self.buckets and all(b.is_gathered for b in self.buckets):
-            return UnitState.GATHERED
-        return UnitState.SHARDED
+    def _expect(self, transition: str, *states: UnitState) -> None:
+        assert self.state in states, (
+            f"unit {self.name or '<root>'!r}: {transition} expects it "
+            f"{' or '.join(s.value for s in states)}, but it is {self.state.value}"
+        )
 
     @property
     def is_gathered(self) -> bool:
-        return all(b.is_gathered for b in self.buckets)
+        return self.state is UnitState.GATHERED or not self.buckets
 
     @property
     def is_installed(self) -> bool:
@@ -207,7 +139,7 @@ class Unit:
     @property
     def in_flight(self) -> bool:
         """Gathered, or its gather issued (True for a unit without parameters)."""
-        return all(b.in_flight for b in self.buckets)
+        return self.state is not UnitState.SHARDED or not self.buckets
 
     @functools.cached_property
     def gather_nbytes(self) -> int:
@@ -216,25 +148,84 @@ class Unit:
         return sum(b.gather_nbytes for b in self.buckets)
 
     def start_gather(self, *, async_op: bool) -> None:
-        start_gathers(self.buckets, async_op=async_op)
+        self.start_gather_with((), async_op=async_op)
 
     def start_gather_with(self, others: Sequence[Unit], *, async_op: bool) -> None:
         """Start this unit's gather and those of `others` (prefetches) together: small ones
-        go as one exchange (bucket.start_gathers)."""
-        buckets = self.buckets + [b for u in others for b in u.buckets]
-        start_gathers(buckets, async_op=async_op)
+        go as one exchange (bucket.start_gathers). Units in flight already are left as they
+        are."""
+        units = [self, *others]
+        start_gathers([b for u in units for b in u.buckets], async_op=async_op)
+        for u in units:
+            if u.buckets and u.state is UnitState.SHARDED:
+                # shard axis of size 1: nothing to exchange, the shards are the data
+                done = u.buckets[0].is_gathered
+                u.state = UnitState.GATHERED if done else UnitState.GATHERING
 
     def wait_gathered(self) -> None:
+        """Wait for the gather started before; ZeRO-3's saved-tensor hooks now know the
+        buffers (see [Note: ZeRO-3 and saved tensors] in engine/saved_params.py)."""
+        if not self.buckets:
+            return
+        self._expect("wait_gathered", UnitState.GATHERING, UnitState.GATHERED)
         for b in self.buckets:
             b.finish_gather()
+        self.state = UnitState.GATHERED
+        if self.saved is not None:
+            self.saved.track(self)
 
-    def release(self) -> None:
+    def reshard(self, at: Reshard, *, recomputing: bool = False, syncing: bool = True) -> None:
+        """Drop the unit's unsharded buffers (waiting for a gather in flight first) if the
+        rule says so at `at`. The one place that frees a gathered unit; callers say when they
+        ask and what the step is doing (`recomputing`: a forward rerun inside backward;
+        `syncing`: False inside no_sync()), the rule decides:
+
+        - `NOW` (a copy older than the shards, reset_step, a load): always.
+        - `AFTER_BACKWARD` (the unit's last autograd node of the pass ran, or backward ended):
+          always, except inside no_sync(), which keeps every unit gathered until the synced
+          backward.
+        - `AFTER_FORWARD`: never during a recomputation (backward is using the unit); always
+          when no backward will come for it (grad disabled, nothing trainable); never inside
+          no_sync(); otherwise `reshard_after_forward` decides, set at wrap from the strategy
+          (config.ShardingPlan.unit_reshards): True for every unit but the root under
+          FULL_SHARD / HYBRID_SHARD (ZeRO-3: released after forward, gathered again for
+          backward); False under SHARD_GRAD_OP (ZeRO-2: kept from forward into backward) and
+          for the root by default ([Note: the root stays gathered] in engine/hooks.py); a
+          per-unit `reshard_after_forward` (FSDP2's) overrides either. NO_SHARD follows
+          SHARD_GRAD_OP's schedule, but its shard axis has size 1: the "unsharded buffer" is
+          the shards themselves (or their cast copy under mixed precision), so resharding
+          frees nothing beyond that copy. HYBRID_SHARD frees on its shard axis exactly as
+          FULL_SHARD or SHARD_GRAD_OP.
+        """
+        if at is Reshard.AFTER_BACKWARD and not syncing:
+            return
+        if at is Reshard.AFTER_FORWARD and not self._reshards_after_forward(
+            recomputing=recomputing, syncing=syncing
+        ):
+            return
+        if self.saved is not None:
+            self.saved.untrack(self)
         self.cached_views = None
         for b in self.buckets:
             b.release()
+        self.state = UnitState.SHARDED
+
+    def _reshards_after_forward(self, *, recomputing: bool, syncing: bool) -> bool:
+        if recomputing:
+            return False
+        if not torch.is_grad_enabled() or not self.trainable_params:
+            return True  # no GatheredParams.backward will come to release it
+        return syncing and self.reshard_after_forward
+
+    def reshard_if_stale(self) -> None:
+        """Drop the gathered copy if the shards were written since it was gathered (a load,
+        an edit under no_grad): it holds the old values. One int compare per bucket."""
+        if any(b.is_stale() for b in self.buckets):
+            self.reshard(Reshard.NOW)
 
     def abandon_gathers(self) -> None:
-        """Set aside the gathers in flight unwaited (a peer is gone: Bucket.abandon_gather)."""
+        """Set aside the gathers in flight unwaited (a peer is gone: Bucket.abandon_gather);
+        `reshard(NOW)` follows."""
         for b in self.buckets:
             b.abandon_gather()
 
@@ -309,7 +300,9 @@ class Unit:
 
     def install(self, runtime: GradientSink, *, with_grad: bool, pass_id: int) -> None:
         """Put the unsharded tensors in place of the shards in every module that uses them."""
-        if self.cached_views is not None and self.cached_pass == pass_id and self.is_gathered:
+        if self.buckets:
+            self._expect("install", UnitState.GATHERED)
+        if self.cached_views is not None and self.cached_pass == pass_id:
             views = self.cached_views
         else:
             frozen = self.frozen_pairs()
@@ -329,8 +322,10 @@ class Unit:
 
     def install_recomputed(self, runtime: GradientSink) -> None:
         """Install the gathered tensors for a recomputation inside backward: trainable ones
-        through `RecomputedParams` (uncounted, see the module docstring), frozen ones as
+        through `RecomputedParams` (uncounted, see [Note: recomputed forwards]), frozen ones as
         plain views. Never cached: the forward pass's cached views may be stale by now."""
+        if self.buckets:
+            self._expect("install_recomputed", UnitState.GATHERED)
         if self.trainable_params and torch.is_grad_enabled():
             shards = [p.param for p in self.trainable_params]
             trainable = list(RecomputedParams.apply(runtime, self, *shards))

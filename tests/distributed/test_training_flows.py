@@ -14,7 +14,8 @@ SGD steps, every parameter (fullshard.testing.parity.compare, fp32 rtol=1e-5, at
 - `torch.autograd.grad(loss, model.parameters())` (item 5);
 - writes to the shards while units are gathered: `load_state_dict`, an in-place edit (item 6);
 - an exception mid-forward; ZeRO-3 frozen units released after their backward (item 9);
-- a unit called twice per forward under ZeRO-3: reduced once (item 10).
+- a unit called twice per forward under ZeRO-3: reduced once (item 10);
+- `fullshard.reset_step(model)` after exceptions the user caught mid-step (issue 37).
 
 One rank group per world size for the whole module (2 ranks; 3 where uneven rows matter).
 Functions run on the ranks are at module top level so they pickle by name.
@@ -580,3 +581,54 @@ def test_unit_called_twice_is_reduced_once(group2, strategy):
             assert calls["all_gather"] == 1 + 2 + 3
         else:
             assert calls["all_gather"] == 3
+
+
+# == issue 37: fullshard.reset_step after an exception the user caught ========================
+def _raise_after_forward(model: Net, x: torch.Tensor, y: torch.Tensor) -> None:
+    """The forward completes (ZeRO-3 keeps the root and the first units backward needs
+    gathered), then the loop's own code raises before backward: nothing will release them."""
+    out = model(x)
+    assert _unsharded_now()[0] > 0 or model.fullshard_runtime.plan.name == "ZERO2"
+    raise Boom(f"injected failure after forward ({out.shape})")
+
+
+def _fail(step: int, model: Net, xs: torch.Tensor, ys: torch.Tensor) -> None:
+    if step == 1:  # after the forward, before backward
+        _raise_after_forward(model, xs, ys)
+    elif step == 2:  # mid-forward: block 1 raises, blocks 1 and 2 prefetched
+        model.blocks[1].fail = True
+        try:
+            model.loss(xs, ys)
+        finally:
+            model.blocks[1].fail = False
+    else:  # mid-backward: some reductions done, others in flight
+        model.fail_backward = True
+        try:
+            model.loss(xs, ys).backward()
+        finally:
+            model.fail_backward = False
+
+
+def _reset_step_flow(strategy: str) -> None:
+    ref, model = _wrap(_net, sharding_strategy=strategy, auto_wrap_policy={Sub}, prefetch_limit=2)
+    runtime = model.fullshard_runtime
+    opt, ref_opt = _sgd(model.parameters()), _sgd(ref.parameters())
+    gen = torch.Generator().manual_seed(11)
+    for step in range(5):
+        x, y = _batch(ref, gen)
+        xs, ys = _rows(x, 2), _rows(y, 2)
+        if step in (1, 2, 3):
+            with pytest.raises(Boom):
+                _fail(step, model, xs, ys)
+        fullshard.reset_step(model)  # also harmless between good steps (0, 4)
+        assert runtime.state.value == "idle", (step, runtime.state)
+        assert all(u.state.value == "sharded" for u in runtime.units), (step, runtime.units)
+        assert _unsharded_now() == (0, 0), f"step {step}: reset_step left units gathered"
+        opt.zero_grad()  # a failed backward may have written some `.grad`s already
+        _step(model, ref, x, y, step)
+        _opt_step(model, ref, opt, ref_opt, step)
+
+
+@pytest.mark.parametrize("strategy", ["ZERO3", "ZERO2"])
+def test_reset_step_after_a_caught_exception(group2, strategy):
+    group2.run(_reset_step_flow, strategy)

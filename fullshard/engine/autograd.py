@@ -1,0 +1,156 @@
+"""The autograd bridge: the engine's autograd Functions and what it asks autograd.
+
+Units install their gathered parameters through the Functions below (unit.py), the runtime
+(hooks.py) receives their backward calls, and ZeRO-3's saved-tensor hooks live beside them in
+saved_params.py.
+
+[Note: fullshard and autograd]
+What autograd holds of a unit, and for how long:
+- Aliasing. The tensors a unit installs in its modules are views of its buckets' unsharded
+  buffers (bucket.py), never copies. With grad enabled, the trainable ones are the outputs
+  of one `GatheredParams` per (re)gathered call: an identity whose inputs are the unit's
+  local shards (the registered parameters) and whose outputs are the views, so autograd has
+  one edge from the unit's computation to its shards, and calls the Function's backward
+  once, with the whole unit's unsharded gradients, when the unit's backward is done. Frozen
+  parameters are installed as plain views: no edge, no gradient. `ctx` keeps the unit and
+  the runtime, never a tensor.
+- Gradients. That backward hands the gradients to the runtime, which reduces them
+  asynchronously and writes the shards' `.grad` itself; it returns None to autograd, so the
+  shards' AccumulateGrad never runs -- except under `torch.autograd.grad`, where the
+  reduced local-shard gradients are returned. Autograd has no flag for which of the two is
+  running: `writes_grad` asks whether the engine will execute a shard's AccumulateGrad node.
+- Lifetime. Backward formulas save what they need (a Linear saves its weight: a view of the
+  buffer) until backward. Under ZeRO-3 they must not keep the buffer alive, so while the root
+  runs forward, saved-tensor hooks turn such views into tokens and unpacking one gathers the
+  unit again (see [Note: ZeRO-3 and saved tensors] in engine/saved_params.py). A buffer thus
+  lives from its unit's gather to its `Unit.reshard` and no longer: the views in the
+  modules' `__dict__` are removed by the post-forward hook first, autograd holds tokens, and
+  the Functions' outputs are those same views.
+- When a unit's backward is done: every autograd node it created in the forward pass has
+  run -- one `GatheredParams` per (re)gathered call or, for a unit with nothing trainable
+  whose inputs require grad, one `BackwardDone` on its inputs (so a frozen unit that ZeRO-3
+  re-gathers in backward is released as soon as gradients have flowed through it).
+  `Unit.node_done` counts them; the gradients of a unit called several times are summed
+  until the last node and reduced once.
+
+One node per unit, not per bucket: autograd runs ready nodes latest-created first, and all of
+a unit's nodes would be created together at its pre-forward, so a bucket's node could not run
+before the unit's backward is done anyway. (The root's node is created first of all and so
+runs last, even though its LM head is differentiated first; only a node created where the
+head runs could reduce it early.)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+if TYPE_CHECKING:
+    from fullshard.engine.bucket import Bucket
+    from fullshard.engine.unit import Unit
+
+
+class GradientSink(Protocol):
+    """What a unit's autograd functions below call back into: the `Runtime` (hooks.py), which
+    owns the reductions. A protocol, so this file does not import hooks.py, which builds on it."""
+
+    def post_backward(
+        self, unit: Unit, routing: list[tuple[Bucket, tuple[bool, ...]]], grads: tuple
+    ) -> list | None: ...
+
+    def recomputed_backward(self, unit: Unit, grads: tuple) -> None: ...
+
+    def frozen_backward_done(self, unit: Unit) -> None: ...
+
+
+class GatheredParams(torch.autograd.Function):
+    """Identity on the gathered views; its backward hands the unit's gradients to the runtime.
+
+    It returns no gradient to autograd (the runtime writes `.grad` itself, asynchronously),
+    except under `torch.autograd.grad`, where it returns the reduced local-shard gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, runtime: GradientSink, unit: Unit, *shards: torch.Tensor) -> tuple:
+        ctx.runtime = runtime
+        ctx.unit = unit
+        ctx.routing = unit.routing  # this step's trainable flags (replaced, never mutated)
+        ctx.set_materialize_grads(False)  # None, not zeros, for a parameter that got no grad
+        return tuple(unit.trainable_views())
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        shard_grads = ctx.runtime.post_backward(ctx.unit, ctx.routing, grads)
+        if shard_grads is None:
+            shard_grads = [None] * len(grads)
+        return (None, None, *shard_grads)
+
+
+class RecomputedParams(torch.autograd.Function):
+    """`GatheredParams` for a recomputation inside backward (activation checkpointing).
+
+    Its node is not counted among the unit's nodes of the pass (see [Note: recomputed
+    forwards] in engine/unit.py); its backward, which runs only when a reentrant
+    checkpoint differentiates the recomputed graph, adds the unit's gradients to the unit's
+    sum of the pass instead of reducing them."""
+
+    @staticmethod
+    def forward(ctx: Any, runtime: GradientSink, unit: Unit, *shards: torch.Tensor) -> tuple:
+        ctx.runtime = runtime
+        ctx.unit = unit
+        ctx.set_materialize_grads(False)
+        return tuple(unit.trainable_views())
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        ctx.runtime.recomputed_backward(ctx.unit, grads)
+        return (None, None, *([None] * len(grads)))
+
+
+class BackwardDone(torch.autograd.Function):
+    """Identity on a frozen unit's inputs: its backward runs once gradients have flowed
+    through the unit, which is then done with its (re-gathered) parameters."""
+
+    @staticmethod
+    def forward(ctx: Any, runtime: GradientSink, unit: Unit, *inputs: torch.Tensor) -> tuple:
+        ctx.runtime = runtime
+        ctx.unit = unit
+        return tuple(x.view_as(x) for x in inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        ctx.runtime.frozen_backward_done(ctx.unit)
+        return (None, None, *grads)
+
+
+def in_backward() -> bool:
+    """Autograd is running a backward task on this thread (a forward now is a recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def writes_grad(acc_node: Any) -> bool:
+    """Is the running backward `.backward()` (gradients written to `.grad`), not
+    `torch.autograd.grad` (gradients returned)? Autograd exposes no flag for it;
+    `_will_engine_execute_node` on a leaf's AccumulateGrad node answers during `.backward()`
+    and raises during autograd.grad."""
+    try:
+        torch._C._will_engine_execute_node(acc_node)
+    except RuntimeError:
+        return False
+    return True
+
+
+def mark_frozen_inputs(runtime: GradientSink, unit: Unit, pass_id: int, args: Any,
+                       kwargs: Any) -> Any:
+    """ZeRO-3, a unit with nothing trainable: pass its grad-requiring inputs through
+    `BackwardDone`, so the unit re-gathered for its backward is released right after."""
+    flat, spec = tree_flatten((args, kwargs))
+    idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not idx:
+        return args, kwargs
+    outs = BackwardDone.apply(runtime, unit, *(flat[i] for i in idx))
+    for i, o in zip(idx, outs):
+        flat[i] = o
+    unit.node_created(pass_id)
+    return tree_unflatten(flat, spec)
