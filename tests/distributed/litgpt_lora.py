@@ -1,7 +1,7 @@
 """litgpt 0.5.13's own `finetune/lora.py` `setup()`, with its one strategy line changed.
 
     python tests/distributed/litgpt_lora.py OUT_DIR --prepare    # the base checkpoint
-    fullshard run --nproc 2 tests/distributed/litgpt_lora.py OUT_DIR [FABRIC ...]
+    fullshard run --nproc 2 tests/distributed/litgpt_lora.py OUT_DIR FABRIC
 
 litgpt's script builds `ModelParallelStrategy(parallelize_fn=...)` (torch FSDP2) when it runs
 on more than one device; that is the one line changed:
@@ -13,7 +13,8 @@ on more than one device; that is the one line changed:
 
 Everything else is litgpt's: `load_checkpoint` (LoRA's key remapping on load),
 `save_lora_checkpoint` (which calls `.full_tensor()` on the DTensors of `model.state_dict()`),
-`merge_lora`. Each FABRIC runs `setup()` into `OUT_DIR/FABRIC`, in the same 2 ranks.
+`merge_lora`. FABRIC runs `setup()` into `OUT_DIR/FABRIC`. One FABRIC per launch: a second
+`setup()` in the same processes starts from state the first one left (its first losses differ).
 
 Both: fp32, a tiny GPT whose LoRA rows split unevenly over 2 ranks (r=3), no dropout,
 synthetic SFT rows, global batch 8 = 2 ranks x micro-batch 2 x 2 accumulated, 3 optimizer
@@ -158,14 +159,13 @@ def run(which: str, out_dir: Path) -> None:
 
 def main() -> None:
     global CHECKPOINT_DIR
-    out_dir, fabrics = Path(sys.argv[1]), sys.argv[2:] or ["fullshard", "lightning"]
+    out_dir, which = Path(sys.argv[1]), sys.argv[2]
     CHECKPOINT_DIR = out_dir / "base"
-    if fabrics == ["--prepare"]:  # one process, before the launch
+    if which == "--prepare":  # one process, before the launch
         make_checkpoint_dir(CHECKPOINT_DIR)
         return
     lora.save_hyperparameters = write_hyperparameters
-    for which in fabrics:
-        run(which, out_dir / which)
+    run(which, out_dir / which)
 
 
 if __name__ == "__main__":
