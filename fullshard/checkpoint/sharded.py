@@ -47,6 +47,7 @@ from fullshard.checkpoint.errors import CheckpointError
 from fullshard.checkpoint.objects import Filter, ParamInfo
 from fullshard.checkpoint.sharded_files import DCP_METADATA, META, read_index
 from fullshard.distributed import comm
+from fullshard.engine.dtensor_state import local_state_dict
 
 __all__ = ["CheckpointError"]
 
@@ -138,7 +139,7 @@ def _shapes(tree: Mapping[str, Any]) -> Any:
 
 def _plan_module(key: str, module: nn.Module, filter: Filter | None) -> dict[str, Any]:
     by_id = {id(info.param): info for info in objects.module_params(module).values()}
-    sd = objects.apply_filter(key, module.state_dict(keep_vars=True), filter)
+    sd = objects.apply_filter(key, local_state_dict(module, keep_vars=True), filter)
     out: dict[str, Any] = {}
     for name, value in sd.items():
         info = by_id.get(id(value)) if isinstance(value, torch.Tensor) else None
@@ -327,7 +328,7 @@ def _request_module(key: str, module: nn.Module, items: list[tuple[tuple[Any, ..
     if objects.is_sharded(module):
         module.fullshard_runtime.release_all()  # type: ignore[attr-defined]
     by_id = {id(info.param): info for info in objects.module_params(module).values()}
-    own = module.state_dict(keep_vars=True)
+    own = local_state_dict(module, keep_vars=True)
     tensors = {p[1]: md for p, _, md in items if len(p) == 2
                and isinstance(md, TensorStorageMetadata)}
     others: dict[str, list[tuple[tuple[Any, ...], str]]] = {}

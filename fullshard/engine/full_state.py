@@ -1,8 +1,9 @@
 """Full (unsharded) state dicts of a wrapped model, gathered or loaded one parameter at a time.
 
-`model.state_dict()` of a wrapped model needs no communication: it holds the local shards
-under the original names. `full_state_dict` gathers each parameter over the shard axis in
-turn (moving it to CPU as it arrives when asked), so at most one full parameter is in flight
+`model.state_dict()` of a wrapped model needs no communication: it holds `DTensor`s over the
+local shards under the original names (dtensor_state.py). `full_state_dict` gathers each
+parameter over the shard axis in turn (moving it to CPU as it arrives when asked), so at
+most one full parameter is in flight
 besides what the caller keeps -- with `rank0_only` the other ranks keep nothing.
 `load_full_state_dict` does the reverse without communication: every rank copies its own
 rows out of the full tensors (which may be memory-mapped, so only those rows are read).
@@ -15,12 +16,14 @@ engine's full state dict and the full checkpoint format share one implementation
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
 
 from fullshard.config import check_bool
 from fullshard.distributed import comm
+from fullshard.engine.dtensor_state import is_dtensor, local_state_dict
 from fullshard.engine.layout import ShardLayout
 from fullshard.engine.runtime_lookup import runtime_of
 from fullshard.engine.sharded_param import ShardedParam
@@ -53,7 +56,7 @@ def full_state_dict(
     # Full tensors by parameter, for a tied parameter's second name. Ranks that keep nothing
     # store nothing here either (but still join every gather exactly once per parameter).
     gathered: dict[int, torch.Tensor | None] = {}
-    for key, value in model.state_dict(keep_vars=True).items():
+    for key, value in local_state_dict(model, keep_vars=True).items():
         sp = by_id.get(id(value))
         if sp is None:
             tensor = value.detach() if isinstance(value, torch.Tensor) else value
@@ -138,7 +141,7 @@ def load_full_state_dict(
     sharded = set(_params_by_id(model))  # ids of the sharded parameters
     # Parameters the engine does not shard (ignored ones) and buffers: torch would report a
     # wrong shape only after loading everything else, as a RuntimeError; name it first.
-    for key, target in model.state_dict(keep_vars=True).items():
+    for key, target in local_state_dict(model, keep_vars=True).items():
         value = state_dict.get(key)
         if (
             isinstance(value, torch.Tensor) and isinstance(target, torch.Tensor)
@@ -160,7 +163,8 @@ def load_full_state_dict(
 
 def register_sharded_loading(units: Iterable[Unit]) -> None:
     """Let `load_state_dict` on the wrapped model take full (unsharded) tensors, as torch
-    FSDP's full state dicts and Lightning do, besides this rank's shards (`state_dict()`).
+    FSDP's full state dicts and Lightning do, and `DTensor`s (what `state_dict()` gives, what
+    `torch.distributed.checkpoint` loads into), besides this rank's rows as plain tensors.
 
     One load pre-hook per module that holds sharded parameters turns a full tensor into this
     rank's rows (a view: torch's copy into the shard reads only those rows, also from a
@@ -194,10 +198,45 @@ class _ShardedLoading:
 
 
 def _as_own_rows(key: str, value: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+    if is_dtensor(value):
+        if tuple(value.shape) != tuple(layout.shape):
+            _raise_shape(key, value, layout)
+        local = _local_rows_of(value, layout)
+        if local is not None:
+            return local
+        # Another placement or mesh: the full tensor (collective: every rank loads the same
+        # keys in the same order), then this rank's rows of it.
+        return own_rows(value.full_tensor(), layout)
     if tuple(value.shape) == tuple(layout.shape):
         return own_rows(value, layout)
     if tuple(value.shape) == tuple(layout.local_shape):
-        return value  # this rank's shard, as `model.state_dict()` gives it
+        return value  # this rank's rows as a plain tensor (`local_state_dict(model)`)
+    _raise_shape(key, value, layout)
+
+
+def _local_rows_of(value: Any, layout: ShardLayout) -> torch.Tensor | None:
+    """The DTensor's local tensor when it is exactly this rank's rows (the placements
+    `state_dict()` gives, on a mesh whose sharded axis is our shard group's size and
+    position); None otherwise."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if len(layout.shape) == 0:
+        return None  # 0-dim: Partial on the shard axis (dtensor_state.py)
+    mesh, placements = value.device_mesh, value.placements
+    sharded = [i for i, p in enumerate(placements) if p == Shard(0)]
+    if any(p != Replicate() for i, p in enumerate(placements) if i not in sharded):
+        return None
+    if not sharded:
+        return value.to_local() if layout.shard_size == 1 else None
+    coordinate = mesh.get_coordinate()
+    if (len(sharded) == 1 and coordinate is not None
+            and mesh.size(sharded[0]) == layout.shard_size
+            and coordinate[sharded[0]] == layout.shard_rank):
+        return value.to_local()
+    return None
+
+
+def _raise_shape(key: str, value: torch.Tensor, layout: ShardLayout) -> NoReturn:
     start, stop = layout.owned
     raise ValueError(
         f"load_state_dict: {key!r} has shape {tuple(value.shape)} in the state dict but the "

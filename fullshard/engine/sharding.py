@@ -35,6 +35,7 @@ from fullshard.distributed import comm
 from fullshard.distributed.mesh import ShardMesh
 from fullshard.engine.activation_checkpoint import apply_activation_checkpointing
 from fullshard.engine.bucket import Bucket
+from fullshard.engine.dtensor_state import register_dtensor_state_dict
 from fullshard.engine.eager import register_unit_hooks
 from fullshard.engine.full_state import register_sharded_loading
 from fullshard.engine.hooks import Runtime
@@ -143,6 +144,7 @@ def shard_module(
     # caught by its version counter at the next forward, but would hold memory until then).
     model.register_load_state_dict_post_hook(lambda module, keys: runtime.invalidate())
     register_sharded_loading(units)  # load_state_dict takes full tensors too
+    register_dtensor_state_dict(units, mesh)  # state_dict() holds DTensors, as FSDP2's
     mark_wrapped(model, runtime)
     return runtime
 

@@ -1199,15 +1199,15 @@ def _state_dicts(strategy: str) -> None:
     else:
         assert only0 == {}
 
-    # model.state_dict(): the local shards under the original names, no communication
+    # model.state_dict(): DTensors over the local shards, original names, no communication
     fullshard.reset_comm_stats()
     local = model.state_dict()
     assert sum(v["calls"] for v in fullshard.comm_stats().values()) == 0
     assert list(local) == list(expected)
     for k, v in expected.items():
         want = local_rows(v, mesh.shard.size, mesh.shard.rank)
-        assert local[k].shape == want.shape, k
-        assert torch.allclose(local[k], want, rtol=1e-5, atol=1e-6), k
+        assert local[k].shape == v.shape and local[k].to_local().shape == want.shape, k
+        assert torch.allclose(local[k].to_local(), want, rtol=1e-5, atol=1e-6), k
 
     # load into a freshly wrapped, differently initialized model: same outputs
     _, other = _wrap(_tiny_gpt2, seed=123, sharding_strategy=strategy, auto_wrap_policy={Block})

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import fullshard
+from fullshard.engine.dtensor_state import local_state_dict
 from fullshard.testing import DistributedGroup, local_rows
 
 
@@ -88,9 +89,9 @@ def _reference(seed: int) -> nn.Module:
 def _assert_holds(model: nn.Module, ref: nn.Module) -> None:
     """`model`'s shards are this rank's rows of `ref`'s weights, and the outputs agree."""
     rank, size = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    shards = model.state_dict()
+    shards = model.state_dict()  # DTensors, as FSDP2's (test_dtensor_state_dict.py)
     for key, want in ref.state_dict().items():
-        assert torch.equal(shards[key], local_rows(want, size, rank)), key
+        assert torch.equal(shards[key].to_local(), local_rows(want, size, rank)), key
     idx = torch.tensor([[1, 2, 3, 6]])
     with torch.no_grad():
         assert torch.allclose(model(idx), ref(idx), rtol=1e-5, atol=1e-6)
@@ -126,9 +127,12 @@ def _loads() -> None:
     with pytest.raises(ValueError, match=r"Missing keys: \['head\.bias'\]"):
         fullshard.load_full_state_dict(_wrapped(3), partial)
 
-    # this rank's shards (model.state_dict()) still load as they are
+    # model.state_dict() (DTensors) loads, and so do this rank's rows as plain tensors
     other = _wrapped(4)
     other.load_state_dict(model.state_dict())
+    _assert_holds(other, ref)
+    other = _wrapped(4)
+    other.load_state_dict(local_state_dict(model))
     _assert_holds(other, ref)
 
     # a shape that is neither the full one nor this rank's names both
