@@ -91,9 +91,10 @@ def first_failure(
 _PREFIX = "fullshard-failures-"
 
 
-def make_failure_directory() -> str:
+def make_failure_directory(*, export: bool = True) -> str:
     """A fresh directory for this launch's records, named in this process's environment so
-    the ranks it starts inherit it. A launcher that was SIGKILLed removes nothing (its
+    the ranks it starts inherit it (`export=False`: not named there; the caller passes it to
+    the ranks it starts in their environment). A launcher that was SIGKILLed removes nothing (its
     workers die with it by `PR_SET_PDEATHSIG`, no cleanup either), so on Linux the name holds
     where this launcher runs (`_pid_space`) and its pid, and each new launch first removes
     the directories of launchers of the same pid space that are gone."""
@@ -103,7 +104,8 @@ def make_failure_directory() -> str:
     else:
         _remove_orphans(tempfile.gettempdir(), f"{_PREFIX}{space}.")
         directory = tempfile.mkdtemp(prefix=f"{_PREFIX}{space}.{os.getpid()}-")
-    os.environ[FAILURE_DIR_VAR] = directory
+    if export:
+        os.environ[FAILURE_DIR_VAR] = directory
     return directory
 
 

@@ -267,16 +267,23 @@ class SubprocessScriptLauncher:
             MASTER_PORT=str(env.main_port),
             NODE_RANK=str(env.node_rank()),
             WORLD_SIZE=str(world),
-            LOCAL_WORLD_SIZE=str(self.num_processes),
         )
+        # Only the children get these: set in this process they would outlive the run (Lightning's
+        # test fixtures flag them). Rank 0 reads LOCAL_WORLD_SIZE's default, WORLD_SIZE, which is
+        # right on one node; nobody reads rank 0's own failure record (the launcher knows it).
+        per_node = {"LOCAL_WORLD_SIZE": str(self.num_processes)}
+        if self.num_nodes > 1:
+            os.environ.update(per_node)
         command = _current_command()
-        self._failure_dir = failure_records.make_failure_directory()  # before the children copy env
+        self._failure_dir = failure_records.make_failure_directory(export=False)
         for local_rank in range(1, self.num_processes):
             child_env = dict(os.environ)
             child_env.update(
                 LOCAL_RANK=str(local_rank),
                 RANK=str(self._global_rank(local_rank)),
-                **{_PARENT_PID_VAR: str(os.getpid())},
+                **per_node,
+                **{_PARENT_PID_VAR: str(os.getpid()),
+                   failure_records.FAILURE_DIR_VAR: self._failure_dir},
             )
             proc = subprocess.Popen(command, env=child_env)
             self.children.append((local_rank, proc))

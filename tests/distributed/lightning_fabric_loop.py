@@ -8,13 +8,15 @@ Each step: 2 micro-batches under `fabric.no_backward_sync` (all but the last), `
 `fabric.clip_gradients` (by norm; by value on step 2), `optimizer.step()`. After step 1:
 `fabric.save`, then fresh objects set up by `setup_module` / `setup_optimizers`, `fabric.load`,
 checked equal, and training goes on with them. Rank 0 writes the global losses and norms (and
-what the strategy is) to `--out` as JSON. `--fail-rank` makes that rank raise at step 1.
+what the strategy is, and the environment variables the run left set) to `--out` as JSON.
+`--fail-rank` makes that rank raise at step 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import lightning as L
 import torch
@@ -130,8 +132,15 @@ def main() -> None:
         strategy = "fullshard"  # registered by `import fullshard` (Lightning is imported first)
     else:
         strategy = "auto"  # Lightning's SingleDeviceStrategy: the one-process reference
+    env_before = set(os.environ)
     fabric = L.Fabric(accelerator="cpu", strategy=strategy, devices=args.devices)
     fabric.launch(train, args)
+    if fabric.is_global_zero and args.out:  # what the run left set in rank 0's process
+        with open(args.out) as f:
+            result = json.load(f)
+        result["env_left_set"] = sorted(set(os.environ) - env_before)
+        with open(args.out, "w") as f:
+            json.dump(result, f)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,14 @@ def test_lightning_fabric_with_fullshard_matches_one_process(
     assert got["launcher"] == "fullshard.launch.subprocess_script"
     ckpt = tmp_path / f"{strategy}.ckpt"
     assert ckpt.is_dir() == (state_dict_type == "sharded")  # the strategy's format was used
+    # The launcher gives the children FULLSHARD_FAILURE_DIR and LOCAL_WORLD_SIZE without
+    # setting them in rank 0's own process (where they outlived the run, e.g. in a test).
+    assert set(got["env_left_set"]) <= LIGHTNING_LAUNCH_VARIABLES, got["env_left_set"]
+
+
+# What Lightning's own launcher leaves set in rank 0's process (its test fixtures allow these).
+LIGHTNING_LAUNCH_VARIABLES = {"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE",
+                              "LOCAL_RANK", "RANK", "PL_GLOBAL_SEED", "PL_SEED_WORKERS"}
 
 
 def test_a_dead_rank_ends_a_lightning_fabric_launch_and_is_named(tmp_path: Path) -> None:

@@ -118,3 +118,59 @@ def test_a_lightning_precision_plugin_with_its_own_config_has_its_dtypes_transla
     assert (engine.param_dtype, engine.reduce_dtype, engine.buffer_dtype) == (
         torch.bfloat16, torch.float32, torch.bfloat16)
     assert strategy.mixed_precision_config.reduce_dtype == torch.float32
+
+
+# Where Lightning's own tests of its FSDPStrategy (tests_fabric/strategies/test_fsdp.py, 2.6),
+# run with only the import pointed at fullshard's, fail by design: each behaviour we keep.
+def test_choices_lightnings_strategy_refuses_are_accepted_when_built() -> None:
+    # Hybrid sharding without a wrap policy or process groups: fullshard builds the
+    # (nodes, ranks per node) mesh itself, so a model that is one unit is fine (Lightning,
+    # on torch's FSDP1: RuntimeError "requires you to pass at least one of ...").
+    for name in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
+        assert fullshard.FSDPStrategy(sharding_strategy=name).sharding_strategy.name == name
+    # use_orig_params=False: the optimizer always sees the original parameters (this rank's
+    # rows), so there is nothing to refuse at setup; a warning says it has no effect
+    # (Lightning: ValueError at setup_module_and_optimizers).
+    with pytest.warns(UserWarning, match=r"use_orig_params=False\) has no effect"):
+        fullshard.FSDPStrategy(use_orig_params=False)
+    # An unknown state_dict_type is refused when the strategy is built (Lightning: at the
+    # first save, after training).
+    with pytest.raises(ValueError, match="state_dict_type='invalid'"):
+        fullshard.FSDPStrategy(state_dict_type="invalid")
+
+
+def test_checkpoint_choices_that_differ_from_lightnings(world1, tmp_path) -> None:
+    fabric = L.Fabric(accelerator="cpu", devices=1,
+                      strategy=fullshard.FSDPStrategy(state_dict_type="sharded"))
+    fabric.launch()
+    model = fabric.setup_module(torch.nn.Linear(4, 3))
+    # A sharded save refuses a non-empty folder that is not a checkpoint, and a file in the
+    # way, leaving both as they were (Lightning writes into the folder, deletes the file).
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("keep")
+    with pytest.raises(IsADirectoryError, match="not a checkpoint; saving would replace it"):
+        fabric.save(folder, {"model": model})
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
+    file = tmp_path / "file.pt"
+    file.write_text("keep")
+    with pytest.raises(FileExistsError, match="saving would delete the file"):
+        fabric.save(file, {"model": model})
+    assert file.read_text() == "keep"
+    # A module the strategy did not set up is saved as it is (Lightning: "Could not find a
+    # FSDP model"); a checksum file is written beside the shards and checked when loading.
+    path = tmp_path / "ckpt"
+    aux = torch.nn.Linear(2, 2)
+    fabric.save(path, {"model": model, "aux": aux, "step": 3})
+    assert (path / ".fullshard-checksums.json").is_file()
+    # Loading with no state (None or {}) returns the whole checkpoint (Lightning: ValueError).
+    for state in (None, {}):
+        loaded = fabric.strategy.load_checkpoint(path, state=state)
+        assert set(loaded) == {"model", "aux", "step"} and loaded["step"] == 3
+    # A module not set up by the strategy is refused by its backward-sync control, as
+    # Lightning's refuses one not wrapped in torch's FullyShardedDataParallel (a module
+    # torch's FSDP wrapped is refused too: the strategy drives only its own).
+    control = fabric.strategy._backward_sync_control
+    with pytest.raises(TypeError, match="only possible if the module passed to it is wrapped"):
+        with control.no_backward_sync(torch.nn.Linear(2, 2), True):
+            pass
