@@ -31,7 +31,7 @@ EXTRAS := test,progress,plot,demo
 LITGPT_VENV ?= .venv-litgpt
 LITGPT_STAMP := $(LITGPT_VENV)/.fullshard-stamp
 LITGPT_EXTRAS := test,litgpt
-LITGPT_TESTS := tests/distributed/test_pretrain_example.py \
+LITGPT_TESTS := tests/distributed/test_pretrain_example.py tests/distributed/test_litgpt_finetune.py \
 	tests/distributed/test_hf_gradient_checkpointing.py
 LITGPT_SELECT := litgpt or gradient_checkpointing
 
