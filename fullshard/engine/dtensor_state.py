@@ -27,7 +27,7 @@ from torch import nn
 
 from fullshard.distributed.mesh import ShardMesh
 from fullshard.engine.layout import ShardLayout
-from fullshard.engine.sharded_param import ShardedParam
+from fullshard.engine.sharded_param import ShardedParam, params_by_module
 from fullshard.engine.unit import Unit
 
 _LOCAL_VALUES = contextvars.ContextVar("fullshard_local_state_dict", default=False)
@@ -100,12 +100,7 @@ def register_dtensor_state_dict(units: Iterable[Unit], mesh: ShardMesh) -> State
     """One state-dict post-hook per module that holds sharded parameters: each of them
     becomes a `DTensor` in `state_dict()` (see the module docstring)."""
     sd_mesh = StateDictMesh(mesh)
-    by_module: dict[nn.Module, dict[str, ShardedParam]] = {}
-    for unit in units:
-        for sp in unit.params:
-            for module, name in sp.refs:
-                by_module.setdefault(module, {})[name] = sp
-    for module, params in by_module.items():
+    for module, params in params_by_module(sp for unit in units for sp in unit.params).items():
         module.register_state_dict_post_hook(_AsDTensors(params, sd_mesh))
     return sd_mesh
 

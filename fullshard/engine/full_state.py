@@ -26,7 +26,7 @@ from fullshard.distributed import comm
 from fullshard.engine.dtensor_state import is_dtensor, local_state_dict
 from fullshard.engine.layout import ShardLayout
 from fullshard.engine.runtime_lookup import runtime_of
-from fullshard.engine.sharded_param import ShardedParam
+from fullshard.engine.sharded_param import ShardedParam, params_by_module
 from fullshard.engine.unit import Unit
 
 
@@ -173,12 +173,7 @@ def register_sharded_loading(units: Iterable[Unit]) -> None:
     LoRA and adapter models map `attn.qkv.weight` to `attn.qkv.linear.weight` this way), and
     after any pre-hook the module registered before it was wrapped.
     """
-    by_module: dict[nn.Module, dict[str, ShardedParam]] = {}
-    for unit in units:
-        for sp in unit.params:
-            for module, name in sp.refs:
-                by_module.setdefault(module, {})[name] = sp
-    for module, params in by_module.items():
+    for module, params in params_by_module(sp for unit in units for sp in unit.params).items():
         module.register_load_state_dict_pre_hook(_ShardedLoading(params))
 
 

@@ -13,6 +13,7 @@ While the owning unit is gathered, the unsharded tensor is put in each module's 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -48,3 +49,13 @@ class ShardedParam:
     def uninstall(self) -> None:
         for module, name in self.refs:
             module.__dict__.pop(name, None)
+
+
+def params_by_module(params: Iterable[ShardedParam]) -> dict[nn.Module, dict[str, ShardedParam]]:
+    """Each module that holds sharded parameters, with them under its own attribute names
+    (a tied weight appears under each module that holds it): where the state-dict hooks go."""
+    by_module: dict[nn.Module, dict[str, ShardedParam]] = {}
+    for sp in params:
+        for module, name in sp.refs:
+            by_module.setdefault(module, {})[name] = sp
+    return by_module

@@ -46,12 +46,11 @@ import torch
 import yaml
 from litgpt.adapter import GPT as AdapterGPT
 from litgpt.adapter import Config as AdapterConfig
-from litgpt.args import EvalArgs, TrainArgs
 from litgpt.model import GPT
 from litgpt.utils import save_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from litgpt_lora import CONFIG, SyntheticSFT  # noqa: E402
+from litgpt_lora import CONFIG, setup_arguments  # noqa: E402
 
 SCRIPTS = {"full": full, "adapter": adapter}
 ADAPTER = dict(adapter_prompt_length=3, adapter_start_layer=0)
@@ -109,21 +108,8 @@ def run(script: str, which: str, out_dir: Path) -> None:
         raise SystemExit(f"fabrics: 'fullshard' or 'lightning', got {which!r}")
     module.L = types.SimpleNamespace(
         Fabric=lambda **kwargs: lightning.Fabric(accelerator="cpu", **kwargs))
-    world, micro, accumulate, steps = 2, 2, 2, 3
     try:
-        module.setup(
-            checkpoint_dir=CHECKPOINT_DIR, out_dir=out_dir, precision="32-true", devices=world,
-            data=SyntheticSFT(), logger_name="csv",
-            train=TrainArgs(save_interval=1000, log_interval=1, epochs=100,
-                            global_batch_size=world * micro * accumulate,
-                            micro_batch_size=micro, max_steps=steps, lr_warmup_steps=1,
-                            max_seq_length=None, max_time=None),
-            eval=EvalArgs(interval=1000, max_new_tokens=4, max_iters=2,
-                          initial_validation=True, final_validation=True),
-            optimizer={"class_path": "torch.optim.AdamW",
-                       "init_args": {"lr": 2e-2, "weight_decay": 0.01}},
-            seed=42,
-        )
+        module.setup(**setup_arguments(CHECKPOINT_DIR, out_dir))
     finally:
         module.L, module.FSDPStrategy = original
 

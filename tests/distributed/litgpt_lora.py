@@ -122,6 +122,25 @@ def write_hyperparameters(function, checkpoint_dir: Path, **_: object) -> None:
 CHECKPOINT_DIR = Path()
 
 
+def setup_arguments(checkpoint_dir: Path, out_dir: Path) -> dict:
+    """The arguments of litgpt's fine-tuning `setup()`s (lora, full, adapter) for these runs:
+    2 ranks x micro-batch 2 x 2 accumulated, 3 optimizer steps, a validation at each end."""
+    world, micro, accumulate, steps = 2, 2, 2, 3
+    return dict(
+        checkpoint_dir=checkpoint_dir, out_dir=out_dir, precision="32-true", devices=world,
+        data=SyntheticSFT(), logger_name="csv",
+        train=TrainArgs(save_interval=1000, log_interval=1, epochs=100,
+                        global_batch_size=world * micro * accumulate,
+                        micro_batch_size=micro, max_steps=steps, lr_warmup_steps=1,
+                        max_seq_length=None, max_time=None),
+        eval=EvalArgs(interval=1000, max_new_tokens=4, max_iters=2,
+                      initial_validation=True, final_validation=True),
+        optimizer={"class_path": "torch.optim.AdamW",
+                   "init_args": {"lr": 2e-2, "weight_decay": 0.01}},
+        seed=42,
+    )
+
+
 def run(which: str, out_dir: Path) -> None:
     import fullshard
 
@@ -138,21 +157,8 @@ def run(which: str, out_dir: Path) -> None:
         raise SystemExit(f"fabrics: 'fullshard' or 'lightning', got {which!r}")
     lora.L = types.SimpleNamespace(
         Fabric=lambda **kwargs: lightning.Fabric(accelerator="cpu", **kwargs))
-    world, micro, accumulate, steps = 2, 2, 2, 3
     try:
-        lora.setup(
-            checkpoint_dir=CHECKPOINT_DIR, out_dir=out_dir, precision="32-true", devices=world,
-            data=SyntheticSFT(), logger_name="csv", **LORA,
-            train=TrainArgs(save_interval=1000, log_interval=1, epochs=100,
-                            global_batch_size=world * micro * accumulate,
-                            micro_batch_size=micro, max_steps=steps, lr_warmup_steps=1,
-                            max_seq_length=None, max_time=None),
-            eval=EvalArgs(interval=1000, max_new_tokens=4, max_iters=2,
-                          initial_validation=True, final_validation=True),
-            optimizer={"class_path": "torch.optim.AdamW",
-                       "init_args": {"lr": 2e-2, "weight_decay": 0.01}},
-            seed=42,
-        )
+        lora.setup(**setup_arguments(CHECKPOINT_DIR, out_dir), **LORA)
     finally:
         lora.L, lora.ModelParallelStrategy = original
 
