@@ -15,6 +15,9 @@ copy was released). Two kinds of region:
   replaced by an instance attribute that runs it under non-reentrant `torch.utils.checkpoint`
   and, inside backward, installs the enclosing units around it. Names, `state_dict` keys and
   hooks are unchanged (no wrapper module, no `_checkpoint_wrapped_module` prefix).
+- torch's `CheckpointWrapper` (the user's `apply_activation_checkpointing` before wrapping):
+  its `checkpoint_fn` is wrapped as HF's function is (below); a policy on top of such a model
+  is not applied again, with a warning, as Lightning does.
 - the model's own: Hugging Face's `gradient_checkpointing_enable()` gives each
   `GradientCheckpointingLayer` a `_gradient_checkpointing_func` (`checkpoint`, reentrant or
   not), through which the layer checkpoints itself; it may be switched on before or after
@@ -40,6 +43,7 @@ unit's business: see [Note: recomputed forwards] in engine/unit.py.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -83,12 +87,31 @@ def _checkpointed_modules(
 
 
 def apply_activation_checkpointing(model: nn.Module, policy: object, runtime: Runtime) -> None:
+    # torch's CheckpointWrapper (by name: torch's module for it is private). Checkpointing
+    # the layers inside it again would recompute each of them twice per backward.
+    wrapped = [n for n, m in model.named_modules() if type(m).__name__ == "CheckpointWrapper"]
+    if wrapped and normalize_policy(policy) is not None:
+        warnings.warn(
+            f"activation_checkpointing_policy is configured, but the model already contains "
+            f"checkpointed layers ({len(wrapped)}, e.g. {wrapped[0]!r}): the policy is not "
+            f"applied, so nothing is checkpointed twice. Drop the policy or the manual "
+            f"checkpointing to silence this.",
+            stacklevel=3,
+        )
+        policy = None
     numel_of = {id(p.param): p.layout.numel for u in runtime.units for p in u.params}
     for module in _checkpointed_modules(model, policy, numel_of):
         needed = enclosing_units(module, runtime, called=False)
         original = module.forward
         module.forward = functools.partial(_checkpointed_forward, original, runtime, needed)
     hook_model_checkpointing(model, runtime)
+
+
+def _is_torch_checkpoint_wrapper(module: nn.Module) -> bool:
+    """torch's `CheckpointWrapper` (`apply_activation_checkpointing` before wrapping): its
+    forward runs `checkpoint_fn(wrapped_module, ...)`, which is guarded as HF's function is."""
+    return type(module).__name__ == "CheckpointWrapper" and callable(
+        getattr(module, "checkpoint_fn", None))
 
 
 def _is_hf_checkpointing_layer(module: nn.Module) -> bool:
@@ -133,10 +156,13 @@ def hook_model_checkpointing(model: nn.Module, runtime: Runtime) -> None:
     installed (none owns a parameter they use outside units nested in them) are left alone."""
     layers: list[tuple[nn.Module, list[Unit]]] = []
     for module in model.modules():
-        if not _is_hf_checkpointing_layer(module):
+        wrapper = _is_torch_checkpoint_wrapper(module)
+        if not (wrapper or _is_hf_checkpointing_layer(module)):
             continue
         needed = enclosing_units(module, runtime, called=False)
-        if needed:
+        if needed and wrapper:  # its checkpoint function is set once, at construction
+            module.checkpoint_fn = _RecomputeGuard(module.checkpoint_fn, runtime, needed)
+        elif needed:
             layers.append((module, needed))
     if not layers:
         return

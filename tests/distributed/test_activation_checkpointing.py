@@ -213,3 +213,43 @@ def test_activation_memory_drops_for_six_blocks(group2) -> None:
         # ZeRO-2 1.95 MB -> 0.16 MB, ZeRO-3 1.65 MB -> 0.15 MB (ZeRO-2 also counts the
         # gathered weights autograd keeps; ZeRO-3 packs those as tokens).
         assert ckpt < 0.2 * plain, (strategy, ckpt, plain)
+
+
+def _already_checkpointed(policy: bool) -> dict:
+    import warnings
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointWrapper,
+        apply_activation_checkpointing,
+    )
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    model = copy.deepcopy(ref)
+    apply_activation_checkpointing(  # the user's own, before wrapping
+        model, check_fn=lambda m: isinstance(m, torch.nn.Linear))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ckpt = {torch.nn.Linear} if policy else None
+        model = fullshard.fsdp(model, device="cpu", activation_checkpointing_policy=ckpt)
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
+    model(x).square().mean().backward()
+    ref(x).square().mean().backward()
+    rows = local_rows(ref[0].weight.grad, dist.get_world_size(), dist.get_rank())
+    return {"warned": [str(w.message) for w in caught if "already contains" in str(w.message)],
+            "wrappers": sum(isinstance(m, CheckpointWrapper) for m in model.modules()),
+            "grad": torch.allclose(model[0]._checkpoint_wrapped_module.weight.grad, rows)}
+
+
+@pytest.mark.parametrize("policy", [False, True], ids=["own", "own+policy"])
+def test_torch_checkpoint_wrapper_recomputes_with_its_unit_gathered(group2, policy) -> None:
+    # torch's apply_activation_checkpointing before fsdp(): the recomputation inside backward
+    # reads the gathered weights (it read the shards: "different metadata"). With a policy
+    # on top, as Lightning's FSDPStrategy does: the policy adds nothing (each layer would be
+    # recomputed twice) and a warning says so.
+    for r in group2.run(_already_checkpointed, policy):
+        assert r["wrappers"] == 2 and r["grad"], r
+        if policy:
+            assert len(r["warned"]) == 1 and "checkpointed layers (2" in r["warned"][0], r
+        else:
+            assert r["warned"] == [], r
