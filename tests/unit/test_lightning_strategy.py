@@ -131,6 +131,9 @@ def test_choices_lightnings_strategy_refuses_are_accepted_when_built() -> None:
     # use_orig_params=False: the optimizer always sees the original parameters (this rank's
     # rows), so there is nothing to refuse at setup; a warning says it has no effect
     # (Lightning: ValueError at setup_module_and_optimizers).
+    from fullshard.api import strategy_args
+
+    strategy_args._WARNED.clear()  # once per process: another test may have had it
     with pytest.warns(UserWarning, match=r"use_orig_params=False\) has no effect"):
         fullshard.FSDPStrategy(use_orig_params=False)
     # An unknown state_dict_type is refused when the strategy is built (Lightning: at the
