@@ -160,9 +160,8 @@ class CommHandle:
     def __del__(self) -> None:
         if self.done:
             return
-        works = self._work if isinstance(self._work, list) else [self._work]
-        works += getattr(self._header, "works", [])
-        works = [w for w in works if w is not None]
+        own = self._work if isinstance(self._work, list) else [self._work]
+        works = [w for w in (*own, *getattr(self._header, "works", ())) if w is not None]
         if works:
             _UNFINISHED.append((works, self._refs, self._header))
             _let_go_of_finished()
