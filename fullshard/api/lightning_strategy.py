@@ -4,8 +4,8 @@
     fabric = L.Fabric(strategy="fullshard", devices=2)          # after `import fullshard`
 
 This module needs Lightning (`pip install "fullshard[lightning]"`); the engine and
-`fullshard.fsdp()` do not. The strategy's logic is `fullshard.api.strategy.FSDPStrategy`'s (one
-implementation, also what `fullshard.Fabric` drives); this class puts Lightning's
+`fullshard.fsdp()` do not. The strategy's logic is `fullshard.api.strategy.FSDPStrategy`'s
+(which needs torch only); this class puts Lightning's
 `ParallelStrategy` and `_Sharded` under it and adds only what Lightning's `Fabric` and its
 connector expect of a strategy object:
 
@@ -87,7 +87,7 @@ def _precision_setter(self: FSDPStrategy, value: Any) -> None:
 class FSDPStrategy(EngineStrategy, ParallelStrategy, _Sharded):  # type: ignore[misc]
     __doc__ = (
         "Fully sharded data parallel training: a Lightning Fabric strategy on fullshard's "
-        "engine (`L.Fabric(strategy=FSDPStrategy(...))`); `fullshard.Fabric` takes it too.\n"
+        "engine (`L.Fabric(strategy=FSDPStrategy(...))`).\n"
         + (EngineStrategy.__doc__ or "").split("\n", 1)[1]
     )
 

@@ -6,7 +6,7 @@ duties around it: the process group (`setup_environment`), which launcher starts
 norm, and checkpoints (`api.strategy_checkpoints`, delegated to `fullshard.checkpoint`). It
 owns no sharding logic. `fullshard.FSDPStrategy` is `api.lightning_strategy.FSDPStrategy`: this
 class with Lightning Fabric's strategy base classes under it (Lightning's own `Fabric` takes
-it); `fullshard.Fabric` takes either.
+it).
 
 Meanings where Lightning's FSDP and ours differ on purpose:
 - `setup_module_and_optimizers` (`fabric.setup(model, optimizer)`) accepts an optimizer built

@@ -512,8 +512,8 @@ class Wrapped(nn.Module):
         return self.last(self.middle(self.first(x)))
 
 
-def _manual_wrap(how: str) -> list[str]:
-    s = _strategy()
+def _manual_wrap(how: str, **kwargs) -> list[str]:
+    s = _strategy(**kwargs)
     torch.manual_seed(0)
     if how == "sharded_context":
         with s.module_sharded_context():
@@ -532,6 +532,10 @@ def test_wrap_inside_module_sharded_context_marks_units(group2: DistributedGroup
     for how in ("sharded_context", "init_module"):
         assert group2.run(_manual_wrap, how) == [["", "first", "middle.0"]] * 2, how
     assert group2.run(_manual_wrap, "outside") == [[""]] * 2  # wrap() outside: a no-op
+    # With a policy too, the marked modules and the policy's are units (Lightning drops the
+    # policy with a warning; here nothing that was asked for is dropped).
+    expected = [["", "first", "middle", "middle.0"]] * 2
+    assert group2.run(_manual_wrap, "init_module", auto_wrap_policy={nn.Sequential}) == expected
 
 
 # -- size-based policies -------------------------------------------------------------------------
