@@ -9,7 +9,8 @@
 #   make compat TORCH=torch==2.8.0
 #                             the short compatibility job on that torch, in its own venv
 #                             (.venv-torch-2.8.0): quick start, a short demo with a resume,
-#                             and the checkpoint, launch, hang-detection and parity tests
+#                             the unit tests, and the checkpoint, DTensor state-dict, Lightning
+#                             strategy, launch, hang-detection and parity tests
 #   make compat-range         the same on the declared floor and on the newest torch
 #
 # torch is installed first and on its own, pinned: an unpinned torch would make pip pull
@@ -87,7 +88,13 @@ TORCH_FLOOR ?= torch==2.8.0
 TORCH_NEWEST ?= torch==2.15.0
 COMPAT_VENV = .venv-$(subst ==,-,$(TORCH))
 COMPAT_PY = $(COMPAT_VENV)/bin/python
+# the unit tests pin torch's own DTensor Shard(0) split, and DTensor state dicts and Lightning's
+# Fabric use the torch APIs that differ most between releases
 COMPAT_TESTS = \
+	tests/unit \
+	tests/distributed/test_dtensor_state_dict.py \
+	tests/distributed/test_state_dict_loading.py \
+	tests/distributed/test_lightning_fabric.py \
 	tests/distributed/test_checkpoint_resume.py \
 	tests/distributed/test_checkpoint_reshard.py \
 	tests/distributed/test_checkpoint_formats.py \
@@ -124,7 +131,7 @@ compat:
 	rm -rf $(COMPAT_VENV)/demo
 	$(COMPAT_VENV)/bin/fullshard demo --steps 20 --out $(COMPAT_VENV)/demo
 	$(COMPAT_VENV)/bin/fullshard demo --steps 10 --resume --out $(COMPAT_VENV)/demo
-	@echo "== $(TORCH): checkpoint, launch, hang-detection, parity and compile tests"
+	@echo "== $(TORCH): unit, checkpoint, state-dict, Lightning, launch, hang-detection, parity and compile tests"
 	$(COMPAT_PY) -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
 
 compat-range:

@@ -62,7 +62,9 @@ def test_hooks_registered_before_dynamo_are_disabled_when_it_arrives():
         want = ref.loss(x, y)
         assert torch.allclose(loss, want, rtol=1e-5, atol=1e-6), (loss, want)
         assert counters["stats"]["unique_graphs"] >= 1
-        print(dict(counters["graph_break"]))
+        print("graph breaks:", dict(counters["graph_break"]))
         dist.destroy_process_group()
     """)
-    assert out.strip() == "{}", out  # nothing of the engine was traced
+    # torch 2.8's gloo writes its own connection line to stdout: read only ours
+    breaks = [line for line in out.splitlines() if line.startswith("graph breaks:")]
+    assert breaks == ["graph breaks: {}"], out  # nothing of the engine was traced
