@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import os
 import pickle
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -123,6 +123,26 @@ def _exchange(kind: str, labels: Sequence[str | None], checks: Sequence[bool], g
     return seq, idents, header
 
 
+def _exchanges(
+    kind: str,
+    sent: Sequence[torch.Tensor],
+    pieces: Sequence[Sequence[Any]],
+    labels: Sequence[str | None],
+    checks: Sequence[bool],
+    group: Group,
+) -> Iterator[tuple[list[int], tuple[int, list[int], bool], bool]]:
+    """How pairwise collectives travel (`sent`: what this rank sends of each, in `pieces`):
+    all as one packed exchange when `_batchable`, else one by one, each packed into one
+    message per peer when `_small` and split into pieces or carrying a header. Yields
+    (the collectives' indices, their `_exchange`, packed), each exchange opened in turn."""
+    if _batchable(sent):
+        yield list(range(len(sent))), _exchange(kind, labels, checks, group), True
+        return
+    for i, (label, check) in enumerate(zip(labels, checks)):
+        packed = _small(_nbytes(sent[i])) and (len(pieces[i]) > 1 or bool(label and check))
+        yield [i], _exchange(kind, [label], [check], group), packed
+
+
 def _native_header(group: Group, seq: int, idents: list[int], header: bool) -> Any:
     """The header of a backend collective on gloo, a message of its own."""
     return gloo.Header(group, seq, idents, capacity=_header_capacity()) if header else None
@@ -182,25 +202,21 @@ def all_gather_batch(
     for output, *_ in items:
         n = _nbytes(output)
         _COUNTERS.add("all_gather", n, n * (group.size - 1) / group.size)
-    checks, cap = _checks(check, len(items)), _header_capacity()
-    pieces = [[x[1].numel()] if x[2] is None else list(x[2]) for x in items]
-    if pairwise and _batchable([x[1] for x in items]):
-        exchange = _exchange("all_gather", [x[3] for x in items], checks, group)
-        parts = [(x[0], x[1], p) for x, p in zip(items, pieces)]
-        handle = gloo.all_gather(parts, group, *exchange, packed=True, capacity=cap)
-        return [_settle(handle, async_op)] * len(items)
-    handles = []
-    for (output, input, _, label), p, check in zip(items, pieces, checks):
-        if pairwise:
-            packed = _small(_nbytes(input)) and (len(p) > 1 or bool(label and check))
-            exchange = _exchange("all_gather", [label], [check], group)
-            handle = gloo.all_gather([(output, input, p)], group, *exchange, packed=packed,
-                                     capacity=cap)
-        else:
+    checks, handles = _checks(check, len(items)), []
+    if not pairwise:
+        for (output, input, _, label), check in zip(items, checks):
             work = _all_gather_into(output, input, group=group.pg, async_op=True)
             header = _native_header(group, *_exchange("all_gather", [label], [check], group))
-            handle = CommHandle([work], refs=(output, input), header=header)
-        handles.append(_settle(handle, async_op))
+            handles.append(_settle(CommHandle([work], refs=(output, input), header=header),
+                                   async_op))
+        return handles
+    pieces = [[x[1].numel()] if x[2] is None else list(x[2]) for x in items]
+    sent, labels = [x[1] for x in items], [x[3] for x in items]
+    for chosen, exchange, packed in _exchanges("all_gather", sent, pieces, labels, checks, group):
+        parts = [(items[i][0], items[i][1], pieces[i]) for i in chosen]
+        handle = gloo.all_gather(parts, group, *exchange, packed=packed,
+                                 capacity=_header_capacity())
+        handles += [_settle(handle, async_op)] * len(chosen)
     return handles
 
 
@@ -258,19 +274,13 @@ def reduce_scatter_batch(
         # wire bytes: the real elements of every peer's chunks (no padding is sent)
         wire = sum(real[r] * x.element_size() for x, _, real in plan for r in peers)
         _COUNTERS.add("reduce_scatter", group.size * _nbytes(output), wire)
-    checks, cap = _checks(check, len(items)), _header_capacity()
-    if _batchable([x[0] for x in items]):
-        exchange = _exchange("reduce_scatter", [x[3] for x in items], checks, group)
-        handle = gloo.reduce_scatter(items, plans, group, *exchange, packed=True, capacity=cap)
-        return [_settle(handle, async_op)] * len(items)
-    handles = []
-    for item, plan, check in zip(items, plans, checks):
-        output, _, _, label = item
-        packed = _small(_nbytes(output)) and (len(plan) > 1 or bool(label and check))
-        exchange = _exchange("reduce_scatter", [label], [check], group)
-        handle = gloo.reduce_scatter([item], [plan], group, *exchange, packed=packed,
-                                     capacity=cap)
-        handles.append(_settle(handle, async_op))
+    handles, labels = [], [x[3] for x in items]
+    sent, checks = [x[0] for x in items], _checks(check, len(items))
+    for chosen, exchange, packed in _exchanges("reduce_scatter", sent, plans, labels, checks,
+                                               group):
+        handle = gloo.reduce_scatter([items[i] for i in chosen], [plans[i] for i in chosen],
+                                     group, *exchange, packed=packed, capacity=_header_capacity())
+        handles += [_settle(handle, async_op)] * len(chosen)
     return handles
 
 
