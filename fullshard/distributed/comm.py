@@ -10,12 +10,11 @@ for (`all_gather`, `reduce_scatter`, `all_reduce`, `broadcast`, `scatter`) -- wi
 - `wire_bytes`: what this rank actually sends for it with the algorithm we used.
 
 On gloo, all-gathers, reduce-scatters and small sum all-reduces run as point-to-point
-exchanges (the algorithms are gloo.py's: see [Note: gloo's all-gather and reduce-scatter] in
-distributed/gloo.py); this module decides how: one message per piece for large exchanges,
-one packed message per peer for small ones (`_small`), several small collectives in one
-exchange when the engine's seam (unit_comm.py) issues them together (the `*_batch`
-functions: each still counts as one call). Larger all-reduces, and other reductions, are
-gloo's own. The counters are added here only, for every path.
+exchanges (gloo.py's algorithms: see [Note: gloo's all-gather and reduce-scatter] in
+distributed/gloo.py); this module decides how they travel (`_exchanges`): packed into one
+message per peer when small, several collectives in one exchange when the engine's seam
+(unit_comm.py) issues them together (the `*_batch` functions; each still counts as one call).
+The counters are added here only, for every path.
 
 [Note: the NCCL algorithm on gloo, for tests]
 `use_native_collectives(True)` (or FULLSHARD_NATIVE_COLLECTIVES=1 in the environment) makes
@@ -79,15 +78,11 @@ def pairwise_exchanges(group: Group) -> bool:
 
 
 def _small(nbytes: int) -> bool:
-    """Send a pairwise exchange of `nbytes` per rank as one message per peer (`packed`)?
-
-    Each gloo message costs a fixed ~0.1-0.2 ms (profiled on 2 ranks: isend + irecv + wait;
-    more in a loaded step), which small units pay: a transformer block is ~12 pieces, so ~24
-    messages per peer and collective. Packing costs one copy of what is exchanged, far
-    cheaper than the messages below `COALESCE_BYTES`; above it the copy grows with the data
-    while the messages' cost does not, so large buckets keep one message per piece (no copy;
-    the pieces below `gloo.SMALL_PIECE_BYTES` together in one) and a header of their own.
-    Only sizes decide, so every rank of the group decides the same (the messages must match)."""
+    """Send a pairwise exchange of `nbytes` per rank packed, as one message per peer? Below
+    `COALESCE_BYTES` the copy packing costs is cheaper than the fixed cost of one message per
+    piece (~24 per peer for a transformer block: see [Note: gloo's all-gather and
+    reduce-scatter] in distributed/gloo.py); above it the copy grows with the data while the
+    messages' cost does not. Only sizes decide, so every rank decides the same."""
     return 0 < nbytes <= COALESCE_BYTES
 
 
