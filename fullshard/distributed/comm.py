@@ -9,14 +9,12 @@ for (`all_gather`, `reduce_scatter`, `all_reduce`, `broadcast`, `scatter`) -- wi
   reduce-scatter, the tensor of an all-reduce or broadcast, everything a scatter hands out);
 - `wire_bytes`: what this rank actually sends for it with the algorithm we used.
 
-On gloo, all-gathers and reduce-scatters run as point-to-point exchanges (the algorithms
-are gloo.py's: see [Note: gloo's all-gather and reduce-scatter] in distributed/gloo.py);
-comm.py decides which one runs: one message per piece for large exchanges, one packed message
-per peer for small ones (`_small`), several small collectives in one exchange when the
-engine's seam (unit_comm.py) issues them together (`all_gather_batch`,
-`reduce_scatter_batch`, `all_reduce_batch`: each still counts as one call). A small sum
-all-reduce on gloo is one such exchange too (`_packed_sum`); larger ones, and other
-reductions, are gloo's own all-reduce. The counters are added here only, for every path.
+On gloo, all-gathers, reduce-scatters and small sum all-reduces run as point-to-point
+exchanges (gloo.py's algorithms: see [Note: gloo's all-gather and reduce-scatter] in
+distributed/gloo.py); this module decides how they travel (`_exchanges`): packed into one
+message per peer when small, several collectives in one exchange when the engine's seam
+(unit_comm.py) issues them together (the `*_batch` functions; each still counts as one call).
+The counters are added here only, for every path.
 
 [Note: the NCCL algorithm on gloo, for tests]
 `use_native_collectives(True)` (or FULLSHARD_NATIVE_COLLECTIVES=1 in the environment) makes
@@ -32,14 +30,15 @@ Asynchronous calls return a `CommHandle`: see [Note: CUDA streams] in distribute
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+import pickle
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from fullshard.distributed import gloo
 from fullshard.distributed.comm_handles import _COUNTERS, _DONE, _nbytes, _settle
-from fullshard.distributed.comm_handles import KINDS as KINDS
 from fullshard.distributed.comm_handles import CommHandle as CommHandle
 from fullshard.distributed.comm_handles import Group as Group
 from fullshard.distributed.comm_handles import comm_stats as comm_stats
@@ -48,32 +47,18 @@ from fullshard.distributed.comm_handles import reset_comm_stats as reset_comm_st
 from fullshard.distributed.divergence import HEADER_MAX, MAX_BATCH, exchange_id, header_size
 from fullshard.distributed.divergence import RankDivergenceError as RankDivergenceError
 from fullshard.distributed.divergence import register_label as register_label
-from fullshard.distributed.gloo import (
-    Header,
-    all_gather_packed,
-    all_gather_pairwise,
-    all_reduce_packed,
-    reduce_scatter_packed,
-    reduce_scatter_pairwise,
-    segments_plan,
-)
 from fullshard.distributed.rendezvous import rendezvous as rendezvous
 
 # torch 2.13 renamed the tensor collectives; the old names still exist but warn.
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-
-_SEQ: dict[int, int] = {}
-
-
-def _next_seq(group: Group) -> int:
-    """The collective's position in the group's sequence: the same on every member as long
-    as they issue the same collectives in the same order (checked by the headers)."""
-    key = id(group.pg)
-    _SEQ[key] = seq = _SEQ.get(key, 0) + 1
-    return seq
-
+COALESCE_BYTES = 1 << 20
+"""Pairwise exchanges of at most this many bytes per rank go out as one message per peer,
+even when split into segments or made of several units' buckets (see `_small`); the engine
+batches small units within it (unit_comm.SMALL_UNITS_BYTES). 0 turns both off. 4 MiB
+(config A's 1.6 MB-per-rank blocks packed) measured the same as 1 MiB within this machine's
+noise, so the smaller copies and header receive buffers stay."""
 
 _NATIVE_ON_GLOO = os.environ.get("FULLSHARD_NATIVE_COLLECTIVES", "") == "1"
 
@@ -86,19 +71,80 @@ def use_native_collectives(enabled: bool) -> bool:
     return previous
 
 
-def _use_pairwise(group: Group) -> bool:
-    return group.backend == "gloo" and not _NATIVE_ON_GLOO
-
-
 def pairwise_exchanges(group: Group) -> bool:
-    """Whether this group's all-gathers, reduce-scatters and small sums run as our own
-    point-to-point exchanges (gloo), which can carry several collectives at once."""
-    return group.size > 1 and _use_pairwise(group)
+    """Whether this group's all-gathers, reduce-scatters and small sums run as gloo.py's
+    point-to-point exchanges, which land segments in place and carry several collectives."""
+    return group.size > 1 and group.backend == "gloo" and not _NATIVE_ON_GLOO
 
 
-def gathers_segments(group: Group) -> bool:
-    """Whether `all_gather(..., segments=...)` can land data parameter-major by itself."""
-    return pairwise_exchanges(group)
+def _small(nbytes: int) -> bool:
+    """Send a pairwise exchange of `nbytes` per rank packed, as one message per peer? Below
+    `COALESCE_BYTES` the copy packing costs is cheaper than the fixed cost of one message per
+    piece (~24 per peer for a transformer block: see [Note: gloo's all-gather and
+    reduce-scatter] in distributed/gloo.py); above it the copy grows with the data while the
+    messages' cost does not. Only sizes decide, so every rank decides the same."""
+    return 0 < nbytes <= COALESCE_BYTES
+
+
+def _batchable(tensors: Sequence[torch.Tensor]) -> bool:
+    """Send the collectives of these tensors (what each rank sends of each) as one exchange?
+    Small, of one dtype, and not too many for one header."""
+    return (1 < len(tensors) <= MAX_BATCH and _small(sum(_nbytes(t) for t in tensors))
+            and len({t.dtype for t in tensors}) == 1)
+
+
+def _header_capacity() -> int:
+    """Bytes of every receive that may meet a header: the largest folded message (see
+    [Note: ranks that run different units] in distributed/gloo.py), in int64 words."""
+    return HEADER_MAX + -(-max(COALESCE_BYTES, 0) // 8) * 8
+
+
+_SEQ: dict[int, int] = {}
+
+
+def _exchange(kind: str, labels: Sequence[str | None], checks: Sequence[bool], group: Group
+              ) -> tuple[int, list[int], bool]:
+    """A new exchange on `group`: its position in the group's sequence (the same on every
+    member while they issue the same collectives in the same order: the headers check it),
+    the identifiers (kind + label) of the collectives it carries, and whether it carries a
+    header -- on gloo, for several collectives or one labelled and checked -- counted here."""
+    _SEQ[id(group.pg)] = seq = _SEQ.get(id(group.pg), 0) + 1
+    idents = [exchange_id(kind, label or "") for label in labels]
+    header = group.backend == "gloo" and (
+        len(labels) > 1 or (labels[0] is not None and checks[0])
+    )
+    if header:  # one to each peer, sent alone or folded into the data messages
+        _COUNTERS.add_headers(group.size - 1, header_size(len(idents)))
+    return seq, idents, header
+
+
+def _exchanges(
+    kind: str,
+    sent: Sequence[torch.Tensor],
+    pieces: Sequence[Sequence[Any]],
+    labels: Sequence[str | None],
+    checks: Sequence[bool],
+    group: Group,
+) -> Iterator[tuple[list[int], tuple[int, list[int], bool], bool]]:
+    """How pairwise collectives travel (`sent`: what this rank sends of each, in `pieces`):
+    all as one packed exchange when `_batchable`, else one by one, each packed into one
+    message per peer when `_small` and split into pieces or carrying a header. Yields
+    (the collectives' indices, their `_exchange`, packed), each exchange opened in turn."""
+    if _batchable(sent):
+        yield list(range(len(sent))), _exchange(kind, labels, checks, group), True
+        return
+    for i, (label, check) in enumerate(zip(labels, checks)):
+        packed = _small(_nbytes(sent[i])) and (len(pieces[i]) > 1 or bool(label and check))
+        yield [i], _exchange(kind, [label], [check], group), packed
+
+
+def _native_header(group: Group, seq: int, idents: list[int], header: bool) -> Any:
+    """The header of a backend collective on gloo, a message of its own."""
+    return gloo.Header(group, seq, idents, capacity=_header_capacity()) if header else None
+
+
+def _checks(check: bool | Sequence[bool], n: int) -> list[bool]:
+    return [check] * n if isinstance(check, bool) else list(check)
 
 
 def all_gather(
@@ -115,7 +161,7 @@ def all_gather(
 
     Without `segments` the output is rank-major: rank r's input at `[r*n, (r+1)*n)`. With
     `segments` (sizes that split `input` into consecutive pieces, e.g. one per parameter;
-    only where `gathers_segments(group)`), the output is *segment-major*: piece j of every
+    only where `pairwise_exchanges(group)`), the output is *segment-major*: piece j of every
     rank, in rank order, then piece j+1 -- each parameter's rows contiguous, straight from
     the wire with no copy-out. That costs one message per piece and peer instead of one per
     peer; on gloo that is cheaper than copying the whole output once more, except for small
@@ -124,12 +170,8 @@ def all_gather(
     `label` (e.g. the unit and bucket) goes into the tags and, with `check`, into a header
     checked on gloo: see [Note: ranks that run different units] in distributed/gloo.py.
     """
-    if group.size == 1:
-        output.copy_(input.reshape(output.shape))
-        return _DONE
-    return all_gather_batch(
-        [(output, input, segments, label)], group, async_op=async_op, check=check
-    )[0]
+    items = [(output, input, segments, label)]
+    return all_gather_batch(items, group, async_op=async_op, check=check)[0]
 
 
 def all_gather_batch(
@@ -145,106 +187,32 @@ def all_gather_batch(
     -- and share one handle: the engine gathers several small units at once this way. Each
     still counts as one all-gather. Otherwise they are issued one after the other, item i
     with its header if `check` (or `check[i]`)."""
-    pairwise = _use_pairwise(group)
-    for _, _, segments, _ in items:
-        if segments is not None and len(segments) > 1 and not pairwise:
-            raise ValueError("segment-major all-gather needs gathers_segments(group)")
+    if group.size == 1:
+        for output, input, _, _ in items:
+            output.copy_(input.reshape(output.shape))
+        return [_DONE] * len(items)
+    pairwise = pairwise_exchanges(group)
+    if not pairwise and any(s is not None and len(s) > 1 for _, _, s, _ in items):
+        raise ValueError("a segment-major all-gather needs pairwise_exchanges(group)")
     for output, *_ in items:
         n = _nbytes(output)
         _COUNTERS.add("all_gather", n, n * (group.size - 1) / group.size)
-    checks = [check] * len(items) if isinstance(check, bool) else list(check)
-    total = sum(_nbytes(input) for _, input, _, _ in items)
-    if pairwise and _batchable(items, total, (x[1] for x in items)):
-        seq = _next_seq(group)
-        idents = [exchange_id("all_gather", lab or "") for _, _, _, lab in items]
-        _count_headers(group, len(idents))
-        handle = all_gather_packed(items, group, seq, idents, True, _header_capacity())
-        return [_settle(handle, async_op)] * len(items)
-    handles = []
-    for (output, input, segments, label), check in zip(items, checks):
-        flat_in = input.reshape(-1)
-        pieces = list(segments) if segments is not None else [flat_in.numel()]
-        packed = (
-            pairwise and _small(_nbytes(flat_in)) and (len(pieces) > 1 or bool(label and check))
-        )
-        seq, ident, wanted = _sequence(group, "all_gather", label, check)
-        if packed:
-            if wanted:  # folded into the data messages
-                _count_headers(group, 1)
-            handle = all_gather_packed(
-                [(output, input, pieces, label)], group, seq, [ident], wanted, _header_capacity()
-            )
-        elif pairwise:
-            header = _own_header(group, seq, ident, wanted)
-            handle = all_gather_pairwise(output, flat_in, pieces, group, seq, ident, header)
-        else:
+    checks, handles = _checks(check, len(items)), []
+    if not pairwise:
+        for (output, input, _, label), check in zip(items, checks):
             work = _all_gather_into(output, input, group=group.pg, async_op=True)
-            header = _own_header(group, seq, ident, wanted)
-            handle = CommHandle(work, refs=(output, input), header=header)
-        handles.append(_settle(handle, async_op))
+            header = _native_header(group, *_exchange("all_gather", [label], [check], group))
+            handles.append(_settle(CommHandle([work], refs=(output, input), header=header),
+                                   async_op))
+        return handles
+    pieces = [[x[1].numel()] if x[2] is None else list(x[2]) for x in items]
+    sent, labels = [x[1] for x in items], [x[3] for x in items]
+    for chosen, exchange, packed in _exchanges("all_gather", sent, pieces, labels, checks, group):
+        parts = [(items[i][0], items[i][1], pieces[i]) for i in chosen]
+        handle = gloo.all_gather(parts, group, *exchange, packed=packed,
+                                 capacity=_header_capacity())
+        handles += [_settle(handle, async_op)] * len(chosen)
     return handles
-
-
-COALESCE_BYTES = 1 << 20
-"""Pairwise exchanges of at most this many bytes per rank go out as one message per peer,
-even when split into segments or made of several units' buckets (see `_small`); the engine
-batches small units within it (unit_comm.SMALL_UNITS_BYTES). 0 turns both off. 4 MiB
-(config A's 1.6 MB-per-rank blocks packed) measured the same as 1 MiB within this machine's
-noise, so the smaller copies and header receive buffers stay."""
-
-
-def _batchable(items: Sequence[Any], nbytes: int, tensors: Iterable[torch.Tensor]) -> bool:
-    """Send these collectives (`nbytes` per rank in all) as one exchange? Small, of one
-    dtype, and not too many for one header."""
-    return 1 < len(items) <= MAX_BATCH and _small(nbytes) and len({t.dtype for t in tensors}) == 1
-
-
-def _header_capacity() -> int:
-    """Bytes of every receive that may meet a header: the largest folded message (see
-    [Note: ranks that run different units] in distributed/gloo.py), in int64 words."""
-    return HEADER_MAX + -(-max(COALESCE_BYTES, 0) // 8) * 8
-
-
-def _small(nbytes: int) -> bool:
-    """Send a pairwise exchange of `nbytes` per rank as one message per peer (`*_packed`)?
-
-    Each gloo message costs a fixed ~0.1-0.2 ms (profiled on 2 ranks: isend + irecv + wait;
-    more in a loaded step), which small units pay: a transformer block is ~12 pieces, so ~24
-    messages per peer and collective. Packing costs one copy of what is exchanged, far
-    cheaper than the messages below `COALESCE_BYTES`; above it the copy grows with the data
-    while the messages' cost does not, so large buckets keep one message per piece (no copy;
-    the pieces below `gloo.SMALL_PIECE_BYTES` together in one) and a header of their own.
-    Only sizes decide, so every rank of the group decides the same (the messages must match)."""
-    return 0 < nbytes <= COALESCE_BYTES
-
-
-def _sequence(group: Group, kind: str, label: str | None, check: bool) -> tuple[int, int, bool]:
-    """Its sequence number, kind + label hash (for the tags), and if it carries a header."""
-    seq = _next_seq(group)
-    ident = exchange_id(kind, label or "")
-    return seq, ident, label is not None and check and group.backend == "gloo"
-
-
-def _own_header(group: Group, seq: int, ident: int, wanted: bool) -> Header | None:
-    """The header of an exchange that cannot fold it, posted as a message of its own."""
-    if not wanted:
-        return None
-    _count_headers(group, 1)
-    return Header(group, seq, [ident], capacity=_header_capacity())
-
-
-def _count_headers(group: Group, collectives: int) -> None:
-    """One header to each peer, for an exchange of `collectives` collectives (sent alone or
-    folded into the data messages: `header_stats()`)."""
-    _COUNTERS.add_headers(group.size - 1, header_size(collectives))
-
-
-def _count_reduce_scatter(output: torch.Tensor, plan: Sequence[Any], group: Group) -> None:
-    """A pairwise reduce-scatter into `output`: its wire bytes are the real elements of every
-    peer's chunks (`segments_plan`: no padding is sent)."""
-    peers = [r for r in range(group.size) if r != group.rank]
-    wire = sum(real[r] * x.element_size() for x, _, real in plan for r in peers)
-    _COUNTERS.add("reduce_scatter", group.size * _nbytes(output), wire)
 
 
 def reduce_scatter(
@@ -261,46 +229,14 @@ def reduce_scatter(
     if group.size == 1:
         output.copy_(input.reshape(output.shape))
         return _DONE
-    if _use_pairwise(group):  # the packed input is one segment of `group.size` chunks
-        flat = input.reshape(-1)
-        return reduce_scatter_segments(
-            output, [flat], [output.numel()], group, async_op=async_op, label=label, check=check
-        )
+    if pairwise_exchanges(group):  # the packed input is one segment of `group.size` chunks
+        items = [(output, [input.reshape(-1)], [output.numel()], label)]
+        return reduce_scatter_batch(items, group, async_op=async_op, check=check)[0]
     n = _nbytes(input)
     _COUNTERS.add("reduce_scatter", n, n * (group.size - 1) / group.size)
-    header = _own_header(group, *_sequence(group, "reduce_scatter", label, check))
+    header = _native_header(group, *_exchange("reduce_scatter", [label], [check], group))
     work = _reduce_scatter_into(output, input, group=group.pg, async_op=True)
-    handle = CommHandle(work, refs=(output, input), header=header)
-    return _settle(handle, async_op)
-
-
-def reduce_scatter_segments(
-    output: torch.Tensor,
-    inputs: Sequence[torch.Tensor],
-    sizes: Sequence[int],
-    group: Group,
-    *,
-    async_op: bool = False,
-    label: str | None = None,
-    check: bool = True,
-) -> CommHandle:
-    """A reduce-scatter of tensors that were never packed (only where `gathers_segments(group)`).
-
-    `output` (this rank's result) is split into consecutive segments of `sizes`; `inputs[j]`
-    is a flat tensor of at most `group.size * sizes[j]` elements, read as `group.size` chunks
-    of `sizes[j]` (the last ones short or empty: what is missing counts as zero, e.g. the
-    padding rows of a parameter). Rank r's chunk of every input, summed over the group, lands
-    in segment j of rank r's `output`; the padding of each segment is zeroed.
-
-    Equal to `reduce_scatter` of the inputs packed rank-major, without the packing: each chunk
-    is sent straight from its input (only the real elements), so a gradient bucket costs no
-    copy before the wire. The sum is in rank order; on two ranks the peer's chunk is received
-    straight into `output` and ours added to it (a + b == b + a bit for bit). The inputs must
-    stay unmodified until `wait()` returns.
-    """
-    return reduce_scatter_batch(
-        [(output, inputs, sizes, label)], group, async_op=async_op, check=check
-    )[0]
+    return _settle(CommHandle([work], refs=(output, input), header=header), async_op)
 
 
 def reduce_scatter_batch(
@@ -310,38 +246,36 @@ def reduce_scatter_batch(
     async_op: bool = False,
     check: bool | Sequence[bool] = True,
 ) -> list[CommHandle]:
-    """Several `reduce_scatter_segments` `(output, inputs, sizes, label)` issued together:
-    as one exchange sharing one handle when their outputs add up to at most `COALESCE_BYTES`
-    (the same rule and header as `all_gather_batch`), else one after the other."""
-    if not gathers_segments(group):
-        raise ValueError("reduce_scatter_segments needs gathers_segments(group)")
-    plans = [segments_plan(output, inputs, sizes, group) for output, inputs, sizes, _ in items]
-    checks = [check] * len(items) if isinstance(check, bool) else list(check)
-    total = sum(_nbytes(output) for output, _, _, _ in items)
-    if _batchable(items, total, (x[0] for x in items)):
-        seq = _next_seq(group)
-        idents = [exchange_id("reduce_scatter", lab or "") for _, _, _, lab in items]
-        for (output, _, _, _), plan in zip(items, plans):
-            _count_reduce_scatter(output, plan, group)
-        _count_headers(group, len(idents))
-        handle = reduce_scatter_packed(items, plans, group, seq, idents, True, _header_capacity())
-        return [_settle(handle, async_op)] * len(items)
-    handles = []
-    for item, pieces, check in zip(items, plans, checks):
-        output, inputs, _, label = item
-        packed = _small(_nbytes(output)) and (len(pieces) > 1 or bool(label and check))
-        seq, ident, wanted = _sequence(group, "reduce_scatter", label, check)
-        _count_reduce_scatter(output, pieces, group)
-        if packed:
-            if wanted:
-                _count_headers(group, 1)
-            handle = reduce_scatter_packed(
-                [item], [pieces], group, seq, [ident], wanted, _header_capacity()
-            )
-        else:
-            header = _own_header(group, seq, ident, wanted)
-            handle = reduce_scatter_pairwise(output, inputs, pieces, group, seq, ident, header)
-        handles.append(_settle(handle, async_op))
+    """Reduce-scatters `(output, inputs, sizes, label)` of tensors that were never packed
+    (only where `pairwise_exchanges(group)`), issued together: as one exchange sharing one
+    handle when their outputs add up to at most `COALESCE_BYTES` (the same rule and header
+    as `all_gather_batch`), else one after the other.
+
+    `output` (this rank's result) is split into consecutive segments of `sizes`; `inputs[j]`
+    is a flat tensor of at most `group.size * sizes[j]` elements, read as `group.size` chunks
+    of `sizes[j]` (the last ones short or empty: what is missing counts as zero, e.g. the
+    padding rows of a parameter). Rank r's chunk of every input, summed over the group in
+    rank order, lands in segment j of rank r's `output`; the padding of each segment is
+    zeroed. Equal to `reduce_scatter` of the inputs packed rank-major, without the packing:
+    each chunk is sent straight from its input, only its real elements, so a gradient
+    bucket costs no copy before the wire. The inputs must stay unmodified until `wait()`.
+    """
+    if not pairwise_exchanges(group):
+        raise ValueError("a reduce-scatter of segments needs pairwise_exchanges(group)")
+    plans = [gloo.segments_plan(output, inputs, sizes, group)
+             for output, inputs, sizes, _ in items]
+    peers = [r for r in range(group.size) if r != group.rank]
+    for (output, _, _, _), plan in zip(items, plans):
+        # wire bytes: the real elements of every peer's chunks (no padding is sent)
+        wire = sum(real[r] * x.element_size() for x, _, real in plan for r in peers)
+        _COUNTERS.add("reduce_scatter", group.size * _nbytes(output), wire)
+    handles, labels = [], [x[3] for x in items]
+    sent, checks = [x[0] for x in items], _checks(check, len(items))
+    for chosen, exchange, packed in _exchanges("reduce_scatter", sent, plans, labels, checks,
+                                               group):
+        handle = gloo.reduce_scatter([items[i] for i in chosen], [plans[i] for i in chosen],
+                                     group, *exchange, packed=packed, capacity=_header_capacity())
+        handles += [_settle(handle, async_op)] * len(chosen)
     return handles
 
 
@@ -366,12 +300,9 @@ def all_reduce(
     _COUNTERS.add("all_reduce", n, 2 * n * (group.size - 1) / group.size)
     header = None
     if label is not None and check and group.backend == "gloo":
-        header = _own_header(group, *_sequence(group, "all_reduce", label, check))
-    if header is None and not async_op:
-        dist.all_reduce(tensor, op=op, group=group.pg)
-        return _DONE
+        header = _native_header(group, *_exchange("all_reduce", [label], [check], group))
     work = dist.all_reduce(tensor, op=op, group=group.pg, async_op=True)
-    return _settle(CommHandle(work, refs=(tensor,), header=header), async_op)
+    return _settle(CommHandle([work], refs=(tensor,), header=header), async_op)
 
 
 def all_reduce_batch(
@@ -384,42 +315,20 @@ def all_reduce_batch(
     """Several sum all-reduces `(tensor, label)` issued together: as one exchange sharing one
     handle when `_packed_sum` allows them all at once (the engine batches NO_SHARD's small
     units this way; each still counts as one all-reduce), else one after the other."""
-    if group.size == 1:
-        return [_DONE] * len(items)
-    checks = [check] * len(items) if isinstance(check, bool) else list(check)
-    if len(items) <= MAX_BATCH and _packed_sum(group, dist.ReduceOp.SUM, [t for t, _ in items]):
+    checks = _checks(check, len(items))
+    tensors = [t for t, _ in items]
+    if len(items) <= MAX_BATCH and _packed_sum(group, dist.ReduceOp.SUM, tensors):
         return _all_reduce_packed(items, group, async_op, checks)
     return [
-        all_reduce(t, group, async_op=async_op, label=lab, check=c)
-        for (t, lab), c in zip(items, checks)
+        all_reduce(t, group, async_op=async_op, label=label, check=c)
+        for (t, label), c in zip(items, checks)
     ]
 
 
-def _all_reduce_packed(
-    items: Sequence[tuple[torch.Tensor, str | None]],
-    group: Group,
-    async_op: bool,
-    checks: Sequence[bool],
-) -> list[CommHandle]:
-    """Issue sums `_packed_sum` allowed as one exchange: a header folded in when it carries
-    several, or one labelled and checked."""
-    seq = _next_seq(group)
-    idents = [exchange_id("all_reduce", lab or "") for _, lab in items]
-    fold = len(items) > 1 or (items[0][1] is not None and checks[0])
-    for t, _ in items:  # each tensor goes whole to every peer
-        _COUNTERS.add("all_reduce", _nbytes(t), _nbytes(t) * (group.size - 1))
-    if fold:
-        _count_headers(group, len(idents))
-    handle = all_reduce_packed(
-        [t for t, _ in items], group, seq, idents, fold, _header_capacity()
-    )
-    return [_settle(handle, async_op)] * len(items)
-
-
 def _packed_sum(group: Group, op: Any, tensors: Sequence[torch.Tensor]) -> bool:
-    """Sum these tensors as one packed exchange (`gloo.all_reduce_packed`)? On gloo, for a
-    sum of contiguous tensors of one dtype whose copies to all peers, N-1 times their bytes,
-    stay within `COALESCE_BYTES`: there one message round beats the ring's 2(N-1) steps."""
+    """Sum these tensors as one packed exchange (`gloo.all_reduce`)? On gloo, for a sum of
+    contiguous tensors of one dtype whose copies to all peers, N-1 times their bytes, stay
+    within `COALESCE_BYTES`: there one message round beats the ring's 2(N-1) steps."""
     return (
         pairwise_exchanges(group)
         and op == dist.ReduceOp.SUM
@@ -428,6 +337,20 @@ def _packed_sum(group: Group, op: Any, tensors: Sequence[torch.Tensor]) -> bool:
         and all(t.is_contiguous() for t in tensors)
         and _small(sum(_nbytes(t) for t in tensors) * (group.size - 1))
     )
+
+
+def _all_reduce_packed(
+    items: Sequence[tuple[torch.Tensor, str | None]],
+    group: Group,
+    async_op: bool,
+    checks: Sequence[bool],
+) -> list[CommHandle]:
+    for t, _ in items:  # each tensor goes whole to every peer
+        _COUNTERS.add("all_reduce", _nbytes(t), _nbytes(t) * (group.size - 1))
+    exchange = _exchange("all_reduce", [label for _, label in items], checks, group)
+    tensors = [t for t, _ in items]
+    handle = gloo.all_reduce(tensors, group, *exchange, capacity=_header_capacity())
+    return [_settle(handle, async_op)] * len(items)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Group) -> None:
@@ -466,26 +389,18 @@ def barrier(group: Group) -> None:
         dist.barrier(group=group.pg)
 
 
-def broadcast_pickled(
-    obj: Any, src: int, group: Group, *, device: torch.device | None = None
-) -> Any:
+def broadcast_pickled(obj: Any, src: int, group: Group) -> Any:
     """Broadcast a picklable object from global rank `src`; returns it on every rank.
 
     Unlike `broadcast_object` it does not need numpy (torch's `broadcast_object_list` turns
     the received bytes back through `tensor.numpy()`): a length, then the pickled bytes, are
-    broadcast as tensors on `device` (the current CUDA device for NCCL groups, else CPU).
-    Counted as two broadcasts.
+    broadcast as tensors (on the current CUDA device for NCCL groups, else on CPU). Counted
+    as two broadcasts.
     """
     if group.size == 1:
         return obj
-    import pickle
-
-    if device is None:
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if "nccl" in group.backend
-            else torch.device("cpu")
-        )
+    cuda = "nccl" in group.backend
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     is_src = dist.get_rank() == src
     payload = pickle.dumps(obj) if is_src else b""
     size = torch.tensor([len(payload)], dtype=torch.long, device=device)
@@ -495,6 +410,4 @@ def broadcast_pickled(
     else:
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     broadcast(data, src, group)
-    if is_src:
-        return obj
-    return pickle.loads(bytes(data.cpu().tolist()))
+    return obj if is_src else pickle.loads(bytes(data.cpu().tolist()))

@@ -137,31 +137,30 @@ def _let_go_of_finished() -> None:
 
 
 class CommHandle:
-    """A collective in flight. `wait()` is idempotent; dropped unwaited, its messages stay
-    alive until they complete (see [Note: a dropped exchange stays alive])."""
+    """A collective in flight: its works (one, or a pairwise exchange's messages), what to do
+    once they are complete (`on_done`) and what they read and write (`refs`, kept alive until
+    then). `wait()` is idempotent; dropped unwaited, its messages stay alive until they
+    complete (see [Note: a dropped exchange stays alive])."""
 
-    __slots__ = ("_work", "_on_done", "_refs", "_header", "done")
+    __slots__ = ("_works", "_on_done", "_refs", "_header", "done")
 
     def __init__(
         self,
-        work: Any = None,
+        works: list[Any] | tuple = (),
         on_done: Callable[[], None] | None = None,
         refs: tuple = (),
         header: HeaderCheck | None = None,
     ) -> None:
-        self._work = work  # a Work, or a list of them (pairwise exchanges)
-        self._on_done = on_done
-        self._refs = refs  # keeps input/output alive until the collective is complete
+        self._works, self._on_done, self._refs = works, on_done, refs
         self._header = header  # checked before any data is waited for
-        self.done = work is None and on_done is None
+        self.done = not works and on_done is None and header is None
         if _UNFINISHED:
             _let_go_of_finished()
 
     def __del__(self) -> None:
         if self.done:
             return
-        own = self._work if isinstance(self._work, list) else [self._work]
-        works = [w for w in (*own, *getattr(self._header, "works", ())) if w is not None]
+        works = [*self._works, *getattr(self._header, "works", ())]
         if works:
             _UNFINISHED.append((works, self._refs, self._header))
             _let_go_of_finished()
@@ -172,15 +171,11 @@ class CommHandle:
         if self._header is not None:
             header, self._header = self._header, None
             header.check()
-        if isinstance(self._work, list):
-            for w in self._work:
-                w.wait()
-        elif self._work is not None:
-            self._work.wait()
+        for w in self._works:
+            w.wait()
         if self._on_done is not None:
             self._on_done()
-        self._work = self._on_done = None
-        self._refs = ()
+        self._works, self._on_done, self._refs = (), None, ()
         self.done = True
 
 

@@ -27,8 +27,6 @@ import socket
 class ClusterEnvironment:
     """The facts a strategy needs about the job; subclasses read them from the environment."""
 
-    name = "base"
-
     @staticmethod
     def detect() -> bool:
         raise NotImplementedError
@@ -89,8 +87,31 @@ def _check_product(kind: str, num_devices: int, num_nodes: int, world_size: int)
         )
 
 
-class TorchElasticEnvironment(ClusterEnvironment):
-    name = "torchelastic"
+class _LauncherEnvironment(ClusterEnvironment):
+    """Every rank started by a launcher that tells each its place in variables (`_VARIABLES`:
+    world size, global rank, local rank, node rank)."""
+
+    _VARIABLES: tuple[str, str, str, str]
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True
+
+    def world_size(self) -> int:
+        return _int_env(self._VARIABLES[0])
+
+    def global_rank(self) -> int:
+        return _int_env(self._VARIABLES[1])
+
+    def local_rank(self) -> int:
+        return _int_env(self._VARIABLES[2])
+
+    def node_rank(self) -> int:
+        return _int_env(self._VARIABLES[3], 0)
+
+
+class TorchElasticEnvironment(_LauncherEnvironment):
+    _VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "GROUP_RANK")
 
     @staticmethod
     def detect() -> bool:
@@ -98,24 +119,8 @@ class TorchElasticEnvironment(ClusterEnvironment):
             k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
         )
 
-    @property
-    def creates_processes_externally(self) -> bool:
-        return True
-
-    def world_size(self) -> int:
-        return _int_env("WORLD_SIZE")
-
-    def global_rank(self) -> int:
-        return _int_env("RANK")
-
-    def local_rank(self) -> int:
-        return _int_env("LOCAL_RANK")
-
     def local_world_size(self) -> int:
         return _int_env("LOCAL_WORLD_SIZE", self.world_size())
-
-    def node_rank(self) -> int:
-        return _int_env("GROUP_RANK", 0)
 
     def validate_settings(self, num_devices: int, num_nodes: int) -> None:
         _check_product("torchrun", num_devices, num_nodes, self.world_size())
@@ -137,18 +142,19 @@ def first_slurm_host(nodelist: str) -> str:
     return f"{prefix}{first}"
 
 
-class SLURMEnvironment(ClusterEnvironment):
-    name = "slurm"
+def _slurm_tasks_per_node() -> int | None:
+    per_node = os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]  # e.g. "2(x4)"
+    return int(per_node) if per_node.isdigit() else None
+
+
+class SLURMEnvironment(_LauncherEnvironment):
+    _VARIABLES = ("SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID")
 
     @staticmethod
     def detect() -> bool:
         if "SLURM_NTASKS" not in os.environ:
             return False
         return os.environ.get("SLURM_JOB_NAME", "") not in _INTERACTIVE_JOB_NAMES
-
-    @property
-    def creates_processes_externally(self) -> bool:
-        return True
 
     @property
     def main_address(self) -> str:
@@ -164,21 +170,9 @@ class SLURMEnvironment(ClusterEnvironment):
         job_id = os.environ.get("SLURM_JOB_ID", "0")
         return 15000 + int(job_id[-4:]) if job_id[-4:].isdigit() else 29500
 
-    def world_size(self) -> int:
-        return _int_env("SLURM_NTASKS")
-
-    def global_rank(self) -> int:
-        return _int_env("SLURM_PROCID")
-
-    def local_rank(self) -> int:
-        return _int_env("SLURM_LOCALID")
-
-    def node_rank(self) -> int:
-        return _int_env("SLURM_NODEID", 0)
-
     def validate_settings(self, num_devices: int, num_nodes: int) -> None:
-        per_node = os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
-        if per_node.isdigit() and int(per_node) != num_devices:
+        per_node = _slurm_tasks_per_node()
+        if per_node is not None and per_node != num_devices:
             raise ValueError(
                 f"You set devices={num_devices}, but SLURM runs {per_node} tasks per node "
                 f"(--ntasks-per-node). Make them agree."
@@ -198,8 +192,6 @@ class LocalEnvironment(ClusterEnvironment):
     `RANK`/`WORLD_SIZE` win when set; otherwise the strategy fills them in from
     `devices`/`num_nodes` (`set_world_ranks`), as Lightning's default environment does.
     """
-
-    name = "local"
 
     def __init__(self) -> None:
         self._world_size = _int_env("WORLD_SIZE", 1)
@@ -259,9 +251,10 @@ def launched_world_size() -> int | None:
     if isinstance(env, TorchElasticEnvironment):
         return env.local_world_size()
     if isinstance(env, SLURMEnvironment):
-        per_node = os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
-        nnodes = _int_env("SLURM_NNODES", 1)
-        return int(per_node) if per_node.isdigit() else max(1, env.world_size() // nnodes)
+        per_node = _slurm_tasks_per_node()
+        if per_node is not None:
+            return per_node
+        return max(1, env.world_size() // _int_env("SLURM_NNODES", 1))
     if "LOCAL_WORLD_SIZE" in os.environ:
         return _int_env("LOCAL_WORLD_SIZE")
     return None

@@ -16,13 +16,13 @@ once, matched by a per-group tag sequence): an all-gather sends our shard to eac
 receives theirs into place; a reduce-scatter sends peer j its chunk j and sums the N chunks of
 ours in rank order (so every rank's sum has the same rounding). Each rank sends exactly
 B·(N−1)/N bytes -- the ring optimum -- and the same 32 MB took ~14 ms either way. Large
-exchanges work piece by piece (`*_pairwise`): an all-gather lands each parameter's rows in
+exchanges work piece by piece: an all-gather lands each parameter's rows in
 place, and a reduce-scatter sends each peer its rows straight from every unpacked gradient (no
 packed copy, no padding on the wire: wire bytes count what is really sent); only the pieces
 too small to be worth a message (`SMALL_PIECE_BYTES`: biases, norms) go together, copied.
 With many ranks this is N−1 messages per collective instead of a ring's pipeline; NCCL keeps
 its own collectives, which already are optimal. Each gloo message has a fixed cost
-(~0.1-0.2 ms here, more inside a busy step), so small exchanges (`*_packed`) send everything
+(~0.1-0.2 ms here, more inside a busy step), so small exchanges (`packed=True`) send everything
 as one message per peer -- every piece of a bucket, and the buckets of several small units
 the engine issues together -- at the price of one copy of what is exchanged.
 
@@ -66,7 +66,7 @@ Identifiers, tags, the header's bytes and the error's wording live in divergence
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -74,13 +74,56 @@ import torch.distributed as dist
 
 from fullshard.distributed.comm_handles import CommHandle, Group, _nbytes
 from fullshard.distributed.divergence import (
-    HEADER_MAX,
     RankDivergenceError,
     divergence_message,
     header_bytes,
     parse_header,
 )
 from fullshard.distributed.divergence import tag as tag_of
+
+
+def _row(r: int, rank: int) -> int:
+    """Group rank `r`'s row among the peers' rows, which are in rank order without `rank`."""
+    return r - (r > rank)
+
+
+def _peers(group: Group) -> list[tuple[int, int]]:
+    """(the peer to send to, the peer to receive from), once per peer, in ring order."""
+    size, rank = group.size, group.rank
+    return [((rank + step) % size, (rank - step) % size) for step in range(1, size)]
+
+
+class _Posts:
+    """The point-to-point messages of one exchange, posted receives first (see [Note:
+    receives are posted first]): collect them with `send` / `recv` (peers are group ranks),
+    then `post()` returns the works."""
+
+    __slots__ = ("group", "sends", "recvs")
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+        self.sends: list[tuple[torch.Tensor, int, int]] = []
+        self.recvs: list[tuple[torch.Tensor, int, int]] = []
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        self.sends.append((tensor, peer, tag))
+
+    def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        self.recvs.append((tensor, peer, tag))
+
+    def swap(self, send: torch.Tensor, rows: torch.Tensor, tag: int) -> None:
+        """`send` to every peer, and each peer's message into its row of `rows`."""
+        for dst, src in _peers(self.group):
+            self.send(send, dst, tag)
+            self.recv(rows[_row(src, self.group.rank)], src, tag)
+
+    def post(self) -> list[Any]:
+        works, g = [], self.group
+        for t, peer, tag in self.recvs:
+            works.append(dist.irecv(t, g.ranks[peer], group=g.pg, tag=tag))
+        for t, peer, tag in self.sends:
+            works.append(dist.isend(t, g.ranks[peer], group=g.pg, tag=tag))
+        return works
 
 
 class Header:
@@ -97,15 +140,16 @@ class Header:
         seq: int,
         idents: Sequence[int],
         *,
-        capacity: int = HEADER_MAX,
+        capacity: int = 0,
         rows: torch.Tensor | None = None,
         works: list[Any] | None = None,
     ) -> None:
         self.group, self.seq, self.idents = group, seq, tuple(idents)
         if rows is None:
             rows = torch.empty(group.size - 1, capacity, dtype=torch.uint8)
-            mine, tag = header_bytes(seq, idents), tag_of(seq, 0, 0)
-            works = _swap_with_peers(mine, rows, group, tag)
+            posts = _Posts(group)
+            posts.swap(header_bytes(seq, idents), rows, tag_of(seq, 0, 0))
+            works = posts.post()
         self.rows, self.works = rows, works or []
 
     def check(self) -> None:
@@ -120,48 +164,50 @@ class Header:
         raise RankDivergenceError(divergence_message(self.seq, self.group.ranks, every))
 
 
-class _Posts:
-    """The point-to-point messages of one exchange, posted receives first (see [Note:
-    receives are posted first]): collect them with `send` / `recv`, then `post()` returns the
-    works."""
-
-    __slots__ = ("group", "sends", "recvs")
-
-    def __init__(self, group: Group) -> None:
-        self.group = group
-        self.sends: list[tuple[torch.Tensor, int, int]] = []
-        self.recvs: list[tuple[torch.Tensor, int, int]] = []
-
-    def send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
-        """`peer`: the group rank."""
-        self.sends.append((tensor, peer, tag))
-
-    def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
-        self.recvs.append((tensor, peer, tag))
-
-    def swap(self, send: torch.Tensor, rows: torch.Tensor, tag: int) -> None:
-        """`send` to every peer, and a receive of each peer's message into its row of `rows`
-        (peer r's row: r - (r > rank), i.e. the peers in rank order)."""
-        size, rank = self.group.size, self.group.rank
-        for step in range(1, size):
-            dst, src = (rank + step) % size, (rank - step) % size
-            self.send(send, dst, tag)
-            self.recv(rows[src - (src > rank)], src, tag)
-
-    def post(self) -> list[Any]:
-        works, g = [], self.group
-        for t, peer, tag in self.recvs:
-            works.append(dist.irecv(t, g.ranks[peer], group=g.pg, tag=tag))
-        for t, peer, tag in self.sends:
-            works.append(dist.isend(t, g.ranks[peer], group=g.pg, tag=tag))
-        return works
+def _message(prefix: torch.Tensor | None, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One message: the header bytes `prefix` (if any), then `parts` (one dtype) back to back
+    -- the copy that packing costs."""
+    head = 0 if prefix is None else prefix.numel()
+    nbytes = sum(_nbytes(x) for x in parts)
+    device = parts[0].device if parts else torch.device("cpu")
+    out = torch.empty(head + nbytes, dtype=torch.uint8, device=device)
+    if prefix is not None:
+        out[:head].copy_(prefix)
+    if parts:
+        torch.cat(parts, out=out[head:].view(parts[0].dtype))
+    return out
 
 
-def _swap_with_peers(send: torch.Tensor, rows: torch.Tensor, group: Group, tag: int) -> list[Any]:
-    """`_Posts.swap` as an exchange of its own: the posted works, receives first."""
-    posts = _Posts(group)
-    posts.swap(send, rows, tag)
-    return posts.post()
+class _Staged:
+    """The one message per peer of a packed exchange, or of a large one's small pieces, and the
+    rows (one per peer, bytes) it is received into. With `fold` the header comes first and a
+    row holds `capacity` bytes, the largest message a diverged peer may send (see [Note: ranks
+    that run different units]); else a row holds the `nbytes` of data expected."""
+
+    def __init__(self, group: Group, seq: int, idents: Sequence[int], *, fold: bool,
+                 capacity: int, nbytes: int, device: torch.device, slot: int) -> None:
+        self.group, self.seq, self.idents, self.fold = group, seq, idents, fold
+        self.prefix = header_bytes(seq, idents) if fold else None
+        self.head = 0 if self.prefix is None else self.prefix.numel()
+        row = capacity if fold else nbytes
+        self.rows = torch.empty((group.size - 1, row), dtype=torch.uint8, device=device)
+        self.tag = tag_of(seq, 0, 0) if fold else tag_of(seq, idents[0], slot)
+
+    def message(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """`parts` after the header, copied unless one part alone is the message."""
+        return parts[0] if self.prefix is None and len(parts) == 1 else _message(self.prefix, parts)
+
+    def data(self, row: torch.Tensor, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        return row[self.head : self.head + nbytes].view(dtype)
+
+
+def _handle(works: list[Any], staged: _Staged | None, own: Header | None,
+            on_done: Callable[[], None] | None, refs: tuple) -> CommHandle:
+    if staged is not None and staged.fold:
+        header = Header(staged.group, staged.seq, staged.idents, rows=staged.rows, works=works)
+        # The folded header waits for the messages itself (a gloo Work must be waited once).
+        return CommHandle([], on_done=on_done, refs=refs, header=header)
+    return CommHandle(works, on_done=on_done, refs=refs, header=own)
 
 
 def _sum_into(out: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
@@ -179,124 +225,74 @@ each. Measured on this 2-core machine (2 gloo ranks): each extra message of a ro
 ~50 us, a 64 KiB copy ~13 us, and a packed piece is copied twice (in, then out)."""
 
 
-def _small_pieces(sizes: Sequence[int], element_size: int) -> frozenset[int]:
-    """Indices of the pieces sent together (none unless there are at least two)."""
+def _staged_pieces(sizes: Sequence[int], element_size: int, packed: bool) -> Sequence[int]:
+    """Indices of the pieces sent together: all when `packed`, else the small ones if there
+    are at least two."""
+    if packed:
+        return range(len(sizes))
     small = frozenset(j for j, n in enumerate(sizes) if 0 < n * element_size <= SMALL_PIECE_BYTES)
     return small if len(small) > 1 else frozenset()
 
 
-def all_gather_pairwise(
-    output: torch.Tensor,
-    flat_in: torch.Tensor,
-    pieces: list[int],
-    group: Group,
-    seq: int,
-    ident: int,
-    header: Header | None,
-) -> CommHandle:
-    """A large all-gather: each piece sent to and received from every peer in place, but the
-    small pieces (`SMALL_PIECE_BYTES`) together in one message per peer, received into a
-    staging row and copied into place at `wait()`."""
-    size, rank = group.size, group.rank
-    flat_out = output.view(-1)
-    small = _small_pieces(pieces, flat_in.element_size())
-    posts, start, packed = _Posts(group), 0, []  # packed: (our piece, its slots), small ones
-    for j, piece in enumerate(pieces):
-        mine = flat_in[start : start + piece]
-        slots = flat_out[size * start : size * (start + piece)].view(size, piece)
-        slots[rank].copy_(mine)
-        start += piece
-        if j in small:
-            packed.append((mine, slots))
-            continue
-        tag = tag_of(seq, ident, j + 1)
-        for step in range(1, size):
-            dst, src = (rank + step) % size, (rank - step) % size
-            posts.send(mine, dst, tag)
-            posts.recv(slots[src], src, tag)
-    if not packed:
-        return CommHandle(posts.post(), refs=(output, flat_in), header=header)
-    send = torch.cat([mine for mine, _ in packed])
-    staged = send.new_empty((size - 1, send.numel()))
-    posts.swap(send, staged, tag_of(seq, ident, len(pieces) + 1))
-    works = posts.post()
-    sizes = [mine.numel() for mine, _ in packed]
-
-    def place() -> None:
-        for r in range(size):
-            if r != rank:
-                torch.split_with_sizes_copy(
-                    staged[r - (r > rank)], sizes, out=[slots[r] for _, slots in packed]
-                )
-
-    return CommHandle(works, on_done=place, refs=(output, flat_in, send, staged), header=header)
-
-
-def all_gather_packed(
-    items: Sequence[tuple[torch.Tensor, torch.Tensor, Sequence[int] | None, str | None]],
+def all_gather(
+    items: Sequence[tuple[torch.Tensor, torch.Tensor, Sequence[int]]],
     group: Group,
     seq: int,
     idents: Sequence[int],
-    fold: bool,
+    header: bool,
+    *,
+    packed: bool,
     capacity: int,
 ) -> CommHandle:
-    """Small all-gathers in one message per peer (comm's `_small`): our inputs, one after the
-    other (after the header if `fold`), go to each peer; each peer's message lands in
-    a staging row and is split into its place in every segment of every output once it is
-    complete (`wait()`). Same outputs, same data bytes on the wire."""
-    size, rank = group.size, group.rank
-    ins = [input.reshape(-1) for _, input, _, _ in items]
-    plans = []  # (flat input, piece sizes, each piece's output region viewed (size, piece))
-    for (output, _, segments, _), flat_in in zip(items, ins):
-        pieces = list(segments) if segments is not None else [flat_in.numel()]
-        flat_out, regions, start = output.view(-1), [], 0
-        for piece in pieces:  # row r of a region: rank r's piece
-            regions.append(flat_out[size * start : size * (start + piece)].view(size, piece))
-            start += piece
-        torch.split_with_sizes_copy(flat_in, pieces, out=[reg[rank] for reg in regions])
-        plans.append((flat_in, pieces, regions))
-    dtype, nbytes = ins[0].dtype, sum(_nbytes(x) for x in ins)
-    prefix = header_bytes(seq, idents) if fold else None
-    head = 0 if prefix is None else prefix.numel()
-    send = ins[0] if prefix is None and len(ins) == 1 else _message(prefix, ins)
-    row = capacity if fold else nbytes
-    staged = torch.empty((size - 1, row), dtype=torch.uint8, device=send.device)
-    tag = tag_of(seq, 0, 0) if fold else tag_of(seq, idents[0], 1)
-    works = _swap_with_peers(send, staged, group, tag)
-    header = Header(group, seq, idents, rows=staged, works=works) if fold else None
+    """All-gathers `(output, input, pieces)` into segment-major outputs: piece j of every rank,
+    in rank order, then piece j+1 (comm's `all_gather`).
 
-    def place() -> None:
-        for r in range(size):
-            if r == rank:
+    `packed` (comm's `_small`): our inputs, one after the other (after the header, folded in
+    if `header`), go to each peer as one message, which lands in a staging row and is split
+    into place at `wait()`. Else (one item) each piece is sent and received in place, but
+    the small pieces (`SMALL_PIECE_BYTES`) together as one staged message, and the header
+    (if `header`) is a message of its own. Same outputs, same data bytes on the wire."""
+    size, rank = group.size, group.rank
+    own = Header(group, seq, idents, capacity=capacity) if header and not packed else None
+    posts, small, regions = _Posts(group), [], []  # small: our staged pieces; regions: slots
+    for output, input, pieces in items:
+        flat_in, flat_out, start, slots = input.reshape(-1), output.view(-1), 0, []
+        for piece in pieces:  # row r of a piece's slots: rank r's piece
+            slots.append(flat_out[size * start : size * (start + piece)].view(size, piece))
+            start += piece
+        torch.split_with_sizes_copy(flat_in, list(pieces), out=[s[rank] for s in slots])
+        staged_at = _staged_pieces(pieces, flat_in.element_size(), packed)
+        for j, (mine, s) in enumerate(zip(flat_in.split(list(pieces)), slots)):
+            if j in staged_at:
+                small.append(mine)
+                regions.append(s)
                 continue
-            data = staged[r - (r > rank), head : head + nbytes].view(dtype)
-            start = 0
-            for flat_in, pieces, regions in plans:
-                n = flat_in.numel()
-                torch.split_with_sizes_copy(
-                    data[start : start + n], pieces, out=[reg[r] for reg in regions]
-                )
-                start += n
+            tag = tag_of(seq, idents[0], j + 1)
+            for dst, src in _peers(group):
+                posts.send(mine, dst, tag)
+                posts.recv(s[src], src, tag)
+    staged, send, place = None, None, None
+    if regions:
+        parts = [input.reshape(-1) for _, input, _ in items] if packed else small
+        nbytes, dtype = sum(_nbytes(p) for p in parts), parts[0].dtype
+        staged = _Staged(group, seq, idents, fold=header and packed, capacity=capacity,
+                         nbytes=nbytes, device=parts[0].device,
+                         slot=1 if packed else len(items[0][2]) + 1)
+        send = staged.message(parts)
+        posts.swap(send, staged.rows, staged.tag)
+        sizes = [s.shape[1] for s in regions]
+
+        def place() -> None:
+            for r in range(size):
+                if r != rank:
+                    data = staged.data(staged.rows[_row(r, rank)], nbytes, dtype)
+                    torch.split_with_sizes_copy(data, sizes, out=[s[r] for s in regions])
 
     # The caller's objects themselves, not views: memory.track counts a tensor until the
     # object dies, and the bucket relies on the handle to keep a cast input alive.
-    refs = (tuple(x[0] for x in items), tuple(x[1] for x in items), staged, send)
-    # A folded header waits for the messages itself (a gloo Work must be waited once).
-    return CommHandle([] if fold else works, on_done=place, refs=refs, header=header)
-
-
-def _message(prefix: torch.Tensor | None, parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One message: the header bytes `prefix` (if any), then `parts` (one dtype) back to back
-    -- the copy that packing costs."""
-    head = 0 if prefix is None else prefix.numel()
-    nbytes = sum(_nbytes(x) for x in parts)
-    device = parts[0].device if parts else torch.device("cpu")
-    out = torch.empty(head + nbytes, dtype=torch.uint8, device=device)
-    if prefix is not None:
-        out[:head].copy_(prefix)
-    if parts:
-        torch.cat(parts, out=out[head:].view(parts[0].dtype))
-    return out
+    refs = (tuple(x[0] for x in items), tuple(x[1] for x in items),
+            None if staged is None else staged.rows, send)
+    return _handle(posts.post(), staged, own, place, refs)
 
 
 def segments_plan(
@@ -313,186 +309,126 @@ def segments_plan(
     return pieces
 
 
-def reduce_scatter_pairwise(
-    output: torch.Tensor,
-    inputs: Sequence[torch.Tensor],
-    pieces: list[tuple[torch.Tensor, int, list[int]]],
-    group: Group,
-    seq: int,
-    ident: int,
-    header: Header | None,
-) -> CommHandle:
-    """A large reduce-scatter: every chunk sent straight from its input, piece by piece, but
-    the small pieces' chunks (`SMALL_PIECE_BYTES`) together in one message per peer, received
-    into a staging row."""
-    size, rank = group.size, group.rank
-    flat_out = output.view(-1)
-    direct = size == 2
-    # Received chunks of the peers in rank order (row r - (r > rank)); none on two ranks.
-    received = None if direct else output.new_empty((size - 1, output.numel()))
-    small = _small_pieces([n for _, n, _ in pieces], output.element_size())
-    posts, offset, plan = _Posts(group), 0, []
-    packed_for: list[list[torch.Tensor]] = [[] for _ in range(size)]  # chunks for each peer
-    packed_mine = 0  # elements of our chunks of the small pieces (what each peer sends us)
-    for j, (x, n, real) in enumerate(pieces):
-        mine = real[rank]
-        # where a small piece's peer chunks start in the staging rows (None: received whole)
-        staged_at = packed_mine if j in small else None
-        plan.append((x[rank * n : rank * n + mine], offset, mine, n, staged_at))
-        if j in small:
-            for dst in range(size):
-                if dst != rank and real[dst] > 0:
-                    packed_for[dst].append(x[dst * n : dst * n + real[dst]])
-            packed_mine += mine
-            offset += n
-            continue
-        tag = tag_of(seq, ident, j + 1)
-        for step in range(1, size):
-            dst, src = (rank + step) % size, (rank - step) % size
-            if real[dst] > 0:
-                chunk = x[dst * n : dst * n + real[dst]]
-                posts.send(chunk, dst, tag)
-            if mine > 0:
-                into = flat_out if received is None else received[src - (src > rank)]
-                posts.recv(into[offset : offset + mine], src, tag)
-        offset += n
-    sends, staged = [], None
-    if small:
-        tag = tag_of(seq, ident, len(pieces) + 1)
-        staged = output.new_empty((size - 1, packed_mine))
-        for step in range(1, size):
-            dst, src = (rank + step) % size, (rank - step) % size
-            if packed_for[dst]:
-                sends.append(torch.cat(packed_for[dst]))
-                posts.send(sends[-1], dst, tag)
-            if packed_mine > 0:
-                posts.recv(staged[src - (src > rank)], src, tag)
-    works = posts.post()
-
-    def sum_in_rank_order() -> None:
-        for own, start, mine, n, staged_at in plan:
-            out = flat_out[start : start + mine]
-            if staged_at is not None:
-                if mine > 0:
-                    peers = staged[:, staged_at : staged_at + mine]  # type: ignore[index]
-                    _sum_into(out, [own if r == rank else peers[r - (r > rank)]
-                                    for r in range(size)])
-            elif received is None:
-                out.add_(own)
-            elif mine > 0:
-                parts = [
-                    own if r == rank else received[r - (r > rank), start : start + mine]
-                    for r in range(size)
-                ]
-                _sum_into(out, parts)
-            flat_out[start + mine : start + n].zero_()
-
-    refs = (output, tuple(inputs), received, staged, tuple(sends))
-    return CommHandle(works, on_done=sum_in_rank_order, refs=refs, header=header)
-
-
-def reduce_scatter_packed(
+def reduce_scatter(
     items: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor], Sequence[int], str | None]],
-    plans: list[list[tuple[torch.Tensor, int, list[int]]]],
+    plans: Sequence[list[tuple[torch.Tensor, int, list[int]]]],
     group: Group,
     seq: int,
     idents: Sequence[int],
-    fold: bool,
+    header: bool,
+    *,
+    packed: bool,
     capacity: int,
 ) -> CommHandle:
-    """Small reduce-scatters in one message per peer (comm's `_small`): peer j's real elements
-    of every piece of every item, concatenated after the header if `fold` (one copy of what
-    is sent), received into a staging row per peer and summed from there into the segments,
-    in rank order as always (on two ranks: peer + own, the same operands and order as the
-    per-piece path)."""
+    """Reduce-scatters of unpacked inputs (comm's `reduce_scatter_batch`; `plans`: their
+    `segments_plan`): peer j gets its real elements of every piece, never padding.
+
+    `packed`: all of them, concatenated after the header if `header` (one copy of what is
+    sent), go to each peer as one message, received into a staging row. Else (one item)
+    every chunk is sent straight from its input, piece by piece, but the small pieces'
+    (`SMALL_PIECE_BYTES`) together as one staged message. At `wait()` our chunk of each
+    piece is summed in rank order; on two ranks a piece's peer chunk is received straight
+    into the output and ours added to it (a + b == b + a bit for bit)."""
     size, rank = group.size, group.rank
-    pieces = [piece for plan in plans for piece in plan]
-    dtype = items[0][0].dtype
-    esize = items[0][0].element_size()
-    counts = [sum(real[r] for _, _, real in pieces) for r in range(size)]
-    prefix = header_bytes(seq, idents) if fold else None
-    head = 0 if prefix is None else prefix.numel()
-    row = capacity if fold else counts[rank] * esize
-    staged = torch.empty((size - 1, row), dtype=torch.uint8, device=items[0][0].device)
-    tag = tag_of(seq, 0, 0) if fold else tag_of(seq, idents[0], 1)
-    posts, sends = _Posts(group), []
-    for step in range(1, size):
-        dst, src = (rank + step) % size, (rank - step) % size
-        if counts[dst] > 0 or fold:
-            chunks = [x[dst * n : dst * n + real[dst]] for x, n, real in pieces if real[dst]]
-            send = chunks[0] if prefix is None and len(chunks) == 1 else _message(prefix, chunks)
-            sends.append(send)
-            posts.send(send, dst, tag)
-        if counts[rank] > 0 or fold:
-            posts.recv(staged[src - (src > rank)], src, tag)
-    works = posts.post()
-    header = Header(group, seq, idents, rows=staged, works=works) if fold else None
-    outs = [output.view(-1) for output, _, _, _ in items]
-    mine_bytes = counts[rank] * esize
+    own = Header(group, seq, idents, capacity=capacity) if header and not packed else None
+    output = items[0][0]
+    dtype, esize = output.dtype, output.element_size()
+    # Received chunks of the peers in rank order (row _row(r)), for pieces sent one by one.
+    received = None if packed or size == 2 else output.new_empty((size - 1, output.numel()))
+    # terms: (out, our chunk, padding, staged?, where the peers' chunks start in their rows)
+    posts, terms = _Posts(group), []
+    staged_for: list[list[torch.Tensor]] = [[] for _ in range(size)]  # each peer's chunks
+    staged_mine = 0  # elements of our chunks of the staged pieces: what each peer sends us
+    for (out_item, _, _, _), plan in zip(items, plans):
+        flat_out, start = out_item.view(-1), 0
+        staged_at = _staged_pieces([n for _, n, _ in plan], esize, packed)
+        for j, (x, n, real) in enumerate(plan):
+            mine = real[rank]
+            out, pad = flat_out[start : start + mine], flat_out[start + mine : start + n]
+            if j in staged_at:
+                terms.append((out, x[rank * n : rank * n + mine], pad, True, staged_mine))
+                for dst in range(size):
+                    if dst != rank and real[dst] > 0:
+                        staged_for[dst].append(x[dst * n : dst * n + real[dst]])
+                staged_mine += mine
+                start += n
+                continue
+            terms.append((out, x[rank * n : rank * n + mine], pad, False, start))
+            tag = tag_of(seq, idents[0], j + 1)
+            for dst, src in _peers(group):
+                if real[dst] > 0:
+                    posts.send(x[dst * n : dst * n + real[dst]], dst, tag)
+                if mine > 0:
+                    into = flat_out if received is None else received[_row(src, rank)]
+                    posts.recv(into[start : start + mine], src, tag)
+            start += n
+    staged, sends = None, []
+    if packed or any(term[3] for term in terms):
+        fold = header and packed
+        staged = _Staged(group, seq, idents, fold=fold, capacity=capacity,
+                         nbytes=staged_mine * esize, device=output.device,
+                         slot=1 if packed else len(plans[0]) + 1)
+        for dst, src in _peers(group):
+            if staged_for[dst] or fold:
+                sends.append(staged.message(staged_for[dst]))
+                posts.send(sends[-1], dst, staged.tag)
+            if staged_mine > 0 or fold:
+                posts.recv(staged.rows[_row(src, rank)], src, staged.tag)
 
     def sum_in_rank_order() -> None:
-        peers = [staged[i, head : head + mine_bytes].view(dtype) for i in range(size - 1)]
-        compact = 0
-        for flat_out, plan in zip(outs, plans):
-            start = 0
-            for x, n, real in plan:
-                mine = real[rank]
-                if mine > 0:
-                    out = flat_out[start : start + mine]
-                    parts = [
-                        x[rank * n : rank * n + mine]
-                        if r == rank
-                        else peers[r - (r > rank)][compact : compact + mine]
-                        for r in range(size)
-                    ]
-                    _sum_into(out, parts)
-                if mine < n:
-                    flat_out[start + mine : start + n].zero_()
-                start += n
-                compact += mine
+        rows = [] if staged is None else [staged.data(row, staged_mine * esize, dtype)
+                                           for row in staged.rows]
+        for out, ours, pad, in_staged, at in terms:
+            mine = out.numel()
+            if not in_staged and received is None:  # two ranks: the peer's chunk is in `out`
+                out.add_(ours)
+            elif mine > 0:
+                peers = rows if in_staged else received
+                _sum_into(out, [ours if r == rank else peers[_row(r, rank)][at : at + mine]
+                                for r in range(size)])
+            pad.zero_()
 
     # The caller's input objects themselves, not views of them: memory.track counts a
     # tensor until that object dies.
-    refs = (tuple(x[0] for x in items), tuple(tuple(x[1]) for x in items), staged, tuple(sends))
-    return CommHandle([] if fold else works, on_done=sum_in_rank_order, refs=refs, header=header)
+    refs = (tuple(x[0] for x in items), tuple(tuple(x[1]) for x in items),
+            received, None if staged is None else staged.rows, tuple(sends))
+    return _handle(posts.post(), staged, own, sum_in_rank_order, refs)
 
 
-def all_reduce_packed(
+def all_reduce(
     tensors: Sequence[torch.Tensor],
     group: Group,
     seq: int,
     idents: Sequence[int],
-    fold: bool,
+    header: bool,
+    *,
     capacity: int,
 ) -> CommHandle:
-    """Small sum all-reduces (comm's `_small`) in one exchange: every tensor, one after the
-    other (after the header if `fold`), goes whole to each peer as one message; each peer's
-    message lands in a staging row and, once all are in (`wait()`), every tensor becomes the
-    sum of the N ranks' values in rank order -- the same operands in the same order on every
-    rank, so the replicas stay bit-identical. One message round instead of a ring's 2(N-1)
-    steps, for N-1 times the tensors' bytes sent instead of 2(N-1)/N times (equal on two
-    ranks): comm takes this path only while that stays within `COALESCE_BYTES`."""
+    """Small sum all-reduces (comm's `_packed_sum`) in one exchange: every tensor, one after
+    the other (after the header, folded in if `header`), goes whole to each peer as one
+    message; each peer's message lands in a staging row and, once all are in (`wait()`),
+    every tensor becomes the sum of the N ranks' values in rank order -- the same operands in
+    the same order on every rank, so the replicas stay bit-identical. One message round
+    instead of a ring's 2(N-1) steps, for N-1 times the tensors' bytes sent instead of
+    2(N-1)/N times (equal on two ranks)."""
     size, rank = group.size, group.rank
     flats = [t.view(-1) for t in tensors]
     dtype, nbytes = flats[0].dtype, sum(_nbytes(x) for x in flats)
-    prefix = header_bytes(seq, idents) if fold else None
-    head = 0 if prefix is None else prefix.numel()
+    staged = _Staged(group, seq, idents, fold=header, capacity=capacity, nbytes=nbytes,
+                     device=flats[0].device, slot=1)
     # Always a copy: besides being what is sent, it is our operand of the sum, which
     # overwrites the tensors themselves (rank r > 0 writes ranks 0 and 1's sum first).
-    send = _message(prefix, flats)
-    staged = torch.empty((size - 1, capacity if fold else nbytes), dtype=torch.uint8,
-                         device=send.device)
-    tag = tag_of(seq, 0, 0) if fold else tag_of(seq, idents[0], 1)
-    works = _swap_with_peers(send, staged, group, tag)
-    header = Header(group, seq, idents, rows=staged, works=works) if fold else None
+    send = _message(staged.prefix, flats)
+    posts = _Posts(group)
+    posts.swap(send, staged.rows, staged.tag)
 
     def sum_in_rank_order() -> None:
-        rows = [send if r == rank else staged[r - (r > rank)] for r in range(size)]
-        data = [row[head : head + nbytes].view(dtype) for row in rows]
+        data = [staged.data(send if r == rank else staged.rows[_row(r, rank)], nbytes, dtype)
+                for r in range(size)]
         start = 0
         for flat in flats:
             _sum_into(flat, [d[start : start + flat.numel()] for d in data])
             start += flat.numel()
 
-    refs = (tuple(tensors), staged, send)
-    return CommHandle([] if fold else works, on_done=sum_in_rank_order, refs=refs, header=header)
+    refs = (tuple(tensors), staged.rows, send)
+    return _handle(posts.post(), staged, None, sum_in_rank_order, refs)

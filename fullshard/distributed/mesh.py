@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fullshard.config import ShardingPlan
 from fullshard.distributed.comm import Group
@@ -41,10 +42,6 @@ def _default_hybrid_shape(world_size: int) -> tuple[int, int]:
     return (world_size // per_node, per_node)
 
 
-def _device_type_for(backend: str) -> str:
-    return "cuda" if "nccl" in backend else "cpu"
-
-
 def build_mesh(plan: ShardingPlan, mesh: object = None) -> ShardMesh:
     """Create (or adopt) the process groups for `plan`.
 
@@ -71,28 +68,20 @@ def build_mesh(plan: ShardingPlan, mesh: object = None) -> ShardMesh:
         return ShardMesh(shard=world, replicate=_single(world), world=world)
     if shard_size == 1:
         return ShardMesh(shard=_single(world), replicate=world, world=world)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    device_mesh = init_device_mesh(
-        _device_type_for(world.backend), shape, mesh_dim_names=("replicate", "shard")
-    )
+    device_type = "cuda" if "nccl" in world.backend else "cpu"
+    device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
     return _from_device_mesh(device_mesh, world)
 
 
 def check_mesh_shape(mesh: object) -> None:
     """A `(replicate, shard)` mesh must be two positive ints (the world size is checked later)."""
+    expected = "device_mesh must be a (replicate, shard) tuple of two positive ints or a 2-D "
     if not isinstance(mesh, tuple | list):
-        raise TypeError(
-            f"device_mesh must be a (replicate, shard) tuple of two positive ints or a 2-D "
-            f"DeviceMesh, got {type(mesh).__name__}: {mesh!r}"
-        )
+        raise TypeError(f"{expected}DeviceMesh, got {type(mesh).__name__}: {mesh!r}")
     if len(mesh) != 2 or not all(
         isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in mesh
     ):
-        raise ValueError(
-            f"device_mesh must be a (replicate, shard) tuple of two positive ints or a 2-D "
-            f"DeviceMesh, got {mesh!r}"
-        )
+        raise ValueError(f"{expected}DeviceMesh, got {mesh!r}")
 
 
 def _validate_shape(mesh: object, world_size: int) -> tuple[int, int]:
@@ -107,10 +96,6 @@ def _validate_shape(mesh: object, world_size: int) -> tuple[int, int]:
 
 
 def is_device_mesh(mesh: object) -> bool:
-    try:
-        from torch.distributed.device_mesh import DeviceMesh
-    except ImportError:  # pragma: no cover - very old torch
-        return False
     return isinstance(mesh, DeviceMesh)
 
 

@@ -69,7 +69,7 @@ def small_units_bytes() -> int:
 def gather_batch_bytes(group: Group) -> int:
     """Bytes per rank up to which several units' gathers on `group` go as one exchange (0:
     never): what the runtime may gather ahead beyond its prefetch limit."""
-    return small_units_bytes() if comm.gathers_segments(group) else 0
+    return small_units_bytes() if comm.pairwise_exchanges(group) else 0
 
 
 def _reduce_batch_bytes(mesh: ShardMesh) -> int:
@@ -164,7 +164,7 @@ def gather_params(
     """All-gather these buckets over `group` (size > 1), issued together: small ones travel
     as one exchange where the backend allows. One handle per request, in order."""
     _check_wire(wire)
-    segmented = comm.gathers_segments(group)
+    segmented = comm.pairwise_exchanges(group)
     items, rank_major = [], []
     for r in requests:
         out = track(torch.empty(group.size * r.send.numel(), dtype=r.send.dtype,
@@ -251,7 +251,7 @@ class ReduceHandle:
         self._done = False
         numel, shard = sum(request.pieces), mesh.shard
         self._replicate_pending = shard.size > 1 and mesh.replicate.size > 1
-        if request.accumulated is None and comm.gathers_segments(shard):
+        if request.accumulated is None and comm.pairwise_exchanges(shard):
             # Each rank's rows go straight from the gradients (comm.reduce_scatter_segments):
             # no packed copy. Usually views of autograd's tensors (copies only if strided or
             # cast), divided out of place: autograd may hand one tensor to several params.

@@ -45,7 +45,7 @@ def _set_sizes(exchange: str) -> None:
     comm.COALESCE_BYTES, gloo.SMALL_PIECE_BYTES = EXCHANGES[exchange]
 
 
-def _reduce_scatter_segments(exchange: str) -> dict:
+def _reduce_scatter_of_segments(exchange: str) -> dict:
     _set_sizes(exchange)
     shard = comm.Group.from_process_group()
     size, rank = shard.size, shard.rank
@@ -53,10 +53,8 @@ def _reduce_scatter_segments(exchange: str) -> dict:
     sizes = [lay.padded_shard_numel for lay in layouts]
     out = torch.full((sum(sizes),), float("nan"))
     comm.reset_comm_stats()
-    handle = comm.reduce_scatter_segments(
-        out, [g.reshape(-1) for g in _grads(rank)], sizes, shard, async_op=True
-    )
-    handle.wait()
+    grads = [g.reshape(-1) for g in _grads(rank)]
+    comm.reduce_scatter_batch([(out, grads, sizes, None)], shard, async_op=True)[0].wait()
     # The definition: every rank's gradients summed in rank order, this rank's padded rows.
     total = [sum(parts) for parts in zip(*(_grads(r) for r in range(size)))]
     expected = []
@@ -88,7 +86,7 @@ def _reduce_scatter_segments(exchange: str) -> dict:
 
 @pytest.mark.parametrize("exchange", list(EXCHANGES))
 def test_reduce_scatter_segments_equals_the_definition(group, exchange):
-    for got in group.run(_reduce_scatter_segments, exchange):
+    for got in group.run(_reduce_scatter_of_segments, exchange):
         torch.testing.assert_close(got["out"], got["expected"], rtol=0, atol=0)
         torch.testing.assert_close(got["from_packed"], got["expected"], rtol=0, atol=0)
         assert got["stats"]["calls"] == 1
@@ -134,7 +132,7 @@ def _messages_per_peer(exchange: str) -> dict:
         comm.all_gather(out, torch.ones(sum(sizes)), shard, segments=sizes, label="u", check=True)
         gather_sends, sends[:] = len(sends), []
         grads = [g.reshape(-1) for g in _grads(rank)]
-        comm.reduce_scatter_segments(torch.empty(sum(sizes)), grads, sizes, shard, label="u")
+        comm.reduce_scatter_batch([(torch.empty(sum(sizes)), grads, sizes, "u")], shard)
         reduce_sends = len(sends)
     finally:
         comm.dist.isend = isend
@@ -173,7 +171,7 @@ def _posting_order(exchange: str) -> dict:
         comm.all_gather(out, torch.ones(sum(sizes)), shard, segments=sizes)
         orders["gather"], log[:] = "".join(log), []
         grads = [g.reshape(-1) for g in _grads(rank)]
-        comm.reduce_scatter_segments(torch.empty(sum(sizes)), grads, sizes, shard)
+        comm.reduce_scatter_batch([(torch.empty(sum(sizes)), grads, sizes, None)], shard)
         orders["reduce"], log[:] = "".join(log), []
         comm.all_reduce(torch.ones(8), shard)
         orders["sum"] = "".join(log)
@@ -203,7 +201,7 @@ def _native_collectives() -> dict:
     size, rank = shard.size, shard.rank
     previous = comm.use_native_collectives(True)
     try:
-        assert not comm.gathers_segments(shard)
+        assert not comm.pairwise_exchanges(shard)
         comm.reset_comm_stats()
         mine = torch.arange(5, dtype=torch.float32) + 100 * rank
         gathered = torch.empty(5 * size)
