@@ -128,7 +128,7 @@ class GatherHandle:
             return out
         # The backend's all-gather is rank-major ([rank0: p1 p2 | rank1: p1 p2]): one copy
         # reorders it (views of a tracked buffer, never copies, go to the modules: see
-        # [Note: ZeRO-3 and saved tensors] in engine/saved_params.py).
+        # [Note: ZeRO-3 and saved tensors] in engine/autograd.py).
         s, numel = self._size, out.numel() // self._size
         param_major = self._track(torch.empty_like(out))
         slices, start = [], 0

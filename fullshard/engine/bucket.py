@@ -7,7 +7,7 @@ Memory layout (S = shard-axis size, L = sum of the params' padded shard sizes):
                           gathering needs no copy-in.
     unsharded    (S*L,)   *parameter-major*: each parameter's S*c padded rows contiguous, so the
                           tensors handed to modules are plain views of one buffer we track
-                          (see [Note: ZeRO-3 and saved tensors] in engine/saved_params.py).
+                          (see [Note: ZeRO-3 and saved tensors] in engine/autograd.py).
                           What `unit_comm.gather_params` returns; how it gets there (in place
                           on the wire, or rank-major and copied out once) is the seam's. With
                           S == 1 nothing is gathered: the shards themselves are the data.

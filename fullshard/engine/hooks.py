@@ -85,11 +85,10 @@ from torch.autograd import Variable
 from fullshard.config import ShardingPlan
 from fullshard.distributed.mesh import ShardMesh
 from fullshard.distributed.unit_comm import Reductions, gather_batch_bytes
+from fullshard.engine.autograd import SavedParams, mark_frozen_inputs, writes_grad
 from fullshard.engine.autograd import in_backward as _in_backward
-from fullshard.engine.autograd import mark_frozen_inputs, writes_grad
 from fullshard.engine.bucket import Bucket, PendingReduction
 from fullshard.engine.mixed_precision import cast_floating
-from fullshard.engine.saved_params import SavedParams
 from fullshard.engine.thunder_refusal import refuse_thunder_trace
 from fullshard.engine.unit import Reshard, Unit
 
@@ -181,7 +180,7 @@ class Runtime:
         self.callback_task: int | None = None
         self._grad_mode_task = -1  # task for which `_returns_grads` was decided
         self._returns_grads = False  # this task is torch.autograd.grad: return, don't write
-        # ZeRO-3: the saved-tensor hooks over gathered buffers (saved_params.py), which the
+        # ZeRO-3: the saved-tensor hooks over gathered buffers (autograd.py), which the
         # units tell when their buffers come and go (not needed where a unit's unsharded
         # buffer is the shard itself)
         self.saved = SavedParams(regather=self._regather_saved)
@@ -366,7 +365,7 @@ class Runtime:
 
     # -- ZeRO-3 saved tensors ---------------------------------------------------------------
     def _regather_saved(self, unit: Unit) -> None:
-        """A saved tensor of `unit` is being unpacked in backward (saved_params.py): gather
+        """A saved tensor of `unit` is being unpacked in backward (autograd.py): gather
         the unit again if it is not, prefetching the ones expected next."""
         # Every unpack, not only a gathering one: the root stays gathered into backward, and
         # the outer task's callback must be queued before a reentrant recomputation nests one.

@@ -50,17 +50,14 @@ from __future__ import annotations
 import enum
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from fullshard.engine.autograd import GatheredParams, GradientSink, RecomputedParams
+from fullshard.engine.autograd import GatheredParams, GradientSink, RecomputedParams, SavedParams
 from fullshard.engine.bucket import Bucket, start_gathers
 from fullshard.engine.sharded_param import ShardedParam
-
-if TYPE_CHECKING:
-    from fullshard.engine.saved_params import SavedParams
 
 
 class UnitState(enum.Enum):
@@ -164,7 +161,7 @@ class Unit:
 
     def wait_gathered(self) -> None:
         """Wait for the gather started before; ZeRO-3's saved-tensor hooks now know the
-        buffers (see [Note: ZeRO-3 and saved tensors] in engine/saved_params.py)."""
+        buffers (see [Note: ZeRO-3 and saved tensors] in engine/autograd.py)."""
         if not self.buckets:
             return
         self._expect("wait_gathered", UnitState.GATHERING, UnitState.GATHERED)
