@@ -34,7 +34,7 @@ backward  ZeRO-3 (with S > 1): the root is gathered again first (the LM head is 
           each unit after reducing it.
 
 The working set: what is counted is exactly what the engine counts in `memory_stats()`
-(`engine/memory.py`): every buffer `engine/bucket.py` allocates beyond the shards and the
+(`engine/bucket.py`, `track`): every buffer a bucket allocates beyond the shards and the
 `.grad` storage, from its allocation until it is freed. Per bucket, with `L` its padded flat
 shard on `S` shard ranks and `c` / `r` the compute / reduce dtype sizes:
 
