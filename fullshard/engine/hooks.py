@@ -89,7 +89,7 @@ from fullshard.engine.autograd import SavedParams, mark_frozen_inputs, writes_gr
 from fullshard.engine.autograd import in_backward as _in_backward
 from fullshard.engine.bucket import Bucket, PendingReduction
 from fullshard.engine.mixed_precision import cast_floating
-from fullshard.engine.thunder_refusal import refuse_thunder_trace
+from fullshard.engine.thunder_refusal import THUNDER_INTERPRETER, refuse_thunder_trace
 from fullshard.engine.unit import Reshard, Unit
 
 
@@ -223,7 +223,8 @@ class Runtime:
         recomputing = _in_backward()
         if recomputing:
             self._begin_recompute()  # post_forward (always called) ends it
-        refuse_thunder_trace(unit.name)  # thunder.jit of the model or a unit: a dict lookup
+        if THUNDER_INTERPRETER in sys.modules:  # thunder.jit of the model or a unit?
+            refuse_thunder_trace(unit.name)
         if unit is self.root and not recomputing:
             self._begin_forward()
         unit.reshard_if_stale()

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -314,8 +314,7 @@ class Unit:
             self._install_order = [p for p, _ in frozen] + self.trainable_params
             self.cached_views = views if with_grad else None
             self.cached_pass = pass_id
-        for p, v in zip(self._install_order, views):
-            p.install(v)
+        _put(zip(self._install_order, views))
 
     def install_recomputed(self, runtime: GradientSink) -> None:
         """Install the gathered tensors for a recomputation inside backward: trainable ones
@@ -328,11 +327,20 @@ class Unit:
             trainable = list(RecomputedParams.apply(runtime, self, *shards))
         else:
             trainable = [v.detach() for v in self.trainable_views()]
-        for p, v in self.frozen_pairs():
-            p.install(v)
-        for p, v in zip(self.trainable_params, trainable):
-            p.install(v)
+        _put(self.frozen_pairs())
+        _put(zip(self.trainable_params, trainable))
 
     def uninstall(self) -> None:
         for p in self.params:
-            p.uninstall()
+            for module, name in p.refs:
+                module.__dict__.pop(name, None)
+
+
+def _put(pairs: Iterable[tuple[ShardedParam, torch.Tensor]]) -> None:
+    """Put each tensor in the instance `__dict__` of every module that holds its parameter
+    (several for tied weights): instance attributes win over `nn.Module.__getattr__`, so
+    `module.weight` reads the unsharded tensor while `named_parameters()` still yields the
+    shard."""
+    for p, v in pairs:
+        for module, name in p.refs:
+            module.__dict__[name] = v
