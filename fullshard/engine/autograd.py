@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fullshard.engine.eager import EagerFn
+from fullshard.engine.eager import keep_eager
 
 if TYPE_CHECKING:
     from fullshard.engine.bucket import Bucket
@@ -195,7 +195,13 @@ class SavedParams:
         # unsharded buffer is not the shard itself (the runtime tracks none on one rank).
         self._owner: dict[int, tuple[Unit, Bucket]] = {}
         self._hooks: Any = None
-        self._eager_pack, self._eager_unpack = EagerFn(self._pack_hook), EagerFn(self._unpack_hook)
+        # Under torch.compile the hooks run eagerly (eager.py): dynamo cannot trace storage
+        # pointers and would otherwise try (and recompile) on every tensor autograd saves.
+        # They call `_pack` and `_unpack` through the instance, so a benchmark or test can
+        # wrap those.
+        self.hook_fns = {"pack": lambda t: self._pack(t), "unpack": lambda s: self._unpack(s)}
+        keep_eager(self, "hook_fns", "pack")
+        keep_eager(self, "hook_fns", "unpack")
 
     def track(self, unit: Unit) -> None:
         """`unit` is gathered: saved views of its buffers become tokens."""
@@ -210,9 +216,8 @@ class SavedParams:
 
     def push(self) -> None:
         """Enter the hooks (the root's forward begins)."""
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(
-            self._eager_pack.get(), self._eager_unpack.get()
-        )
+        fns = self.hook_fns
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(fns["pack"], fns["unpack"])
         self._hooks.__enter__()
 
     def pop(self) -> bool:
@@ -222,16 +227,6 @@ class SavedParams:
         hooks, self._hooks = self._hooks, None
         hooks.__exit__(None, None, None)
         return True
-
-    # Under torch.compile the hooks run eagerly: dynamo cannot trace storage pointers and
-    # would otherwise try (and recompile) on every tensor autograd saves. They are looked up
-    # at every push, disabled once dynamo is imported (eager.py). They call `_pack` and
-    # `_unpack` through the instance, so a benchmark or test can wrap those.
-    def _pack_hook(self, t: torch.Tensor) -> Any:
-        return self._pack(t)
-
-    def _unpack_hook(self, saved: Any) -> torch.Tensor:
-        return self._unpack(saved)
 
     def _pack(self, t: torch.Tensor) -> Any:
         owner = self._owner.get(t.untyped_storage().data_ptr())
