@@ -17,8 +17,8 @@ from fullshard.config import (
     ShardingStrategy,
 )
 from fullshard.distributed.comm import comm_stats, reset_comm_stats
+from fullshard.engine.bucket import memory_stats, reset_memory_stats
 from fullshard.engine.full_state import full_state_dict, load_full_state_dict
-from fullshard.engine.memory import memory_stats, reset_memory_stats
 from fullshard.engine.module import FullyShardedModule
 from fullshard.engine.runtime_lookup import reset_step
 from fullshard.planner import PlanTable, plan

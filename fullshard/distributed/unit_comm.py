@@ -18,7 +18,7 @@ The contract of every call:
   format is to plug in here: it quantizes before the wire and dequantizes on arrival into
   the same result dtype, and `comm_stats()`'s `wire_bytes` count what it sends.
 - `track`: called on every transient buffer allocated for the call (the engine's memory
-  accounting, engine/memory.py); the handle keeps them referenced until it is done.
+  accounting, engine/bucket.py); the handle keeps them referenced until it is done.
 
 [Note: small units travel together]
 Each exchange has a fixed cost (on gloo a message round, ~0.1-1 ms in a busy step) that a
@@ -128,7 +128,7 @@ class GatherHandle:
             return out
         # The backend's all-gather is rank-major ([rank0: p1 p2 | rank1: p1 p2]): one copy
         # reorders it (views of a tracked buffer, never copies, go to the modules: see
-        # [Note: ZeRO-3 and saved tensors] in engine/saved_params.py).
+        # [Note: ZeRO-3 and saved tensors] in engine/autograd.py).
         s, numel = self._size, out.numel() // self._size
         param_major = self._track(torch.empty_like(out))
         slices, start = [], 0

@@ -8,7 +8,7 @@ their hooks in the forward pass only, and the region would find their shards (a 
 a block owned by the root: "weight of shape [24]"). So whoever starts a recomputation
 *gathers and installs* the enclosing units it reads (`entry.enclosing_units`: every unit, nested
 units excepted, that owns a parameter used in the region's subtree) for the length of the
-recomputation (`Runtime.gather_for_recompute`; under ZeRO-3 a real gather, the forward's
+recomputation (`_install_for_recompute`; under ZeRO-3 a real gather, the forward's
 copy was released). Two kinds of region:
 
 - fullshard's own (`activation_checkpointing_policy`): the chosen modules' `forward` is
@@ -180,8 +180,19 @@ def _in_backward() -> bool:
 
 
 def _install_for_recompute(runtime: Runtime, needed: list[Unit]) -> None:
+    """Gather and install `needed` for a recomputation that runs outside their hooks, as for
+    a unit's own recomputation (`Unit.install_recomputed`): trainable tensors require grad, so
+    the recomputed ops save exactly what the original forward saved (non-reentrant checkpoint
+    checks), and a reentrant checkpoint's nested backward hands their gradients to
+    `Runtime.recomputed_backward`. Released by each unit's own last node, or at the end of
+    backward."""
+    runtime.ensure_backward_callback()
     for unit in needed:
-        runtime.gather_for_recompute(unit)
+        unit.reshard_if_stale()
+        if not unit.is_gathered:
+            unit.start_gather(async_op=False)
+        unit.wait_gathered()
+        unit.install_recomputed(runtime)
 
 
 def _uninstall_after_recompute(needed: list[Unit]) -> None:

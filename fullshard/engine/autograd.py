@@ -1,8 +1,9 @@
-"""The autograd bridge: the engine's autograd Functions and what it asks autograd.
+"""The autograd bridge: the engine's autograd Functions, ZeRO-3's saved-tensor hooks, and what
+the engine asks autograd.
 
 Units install their gathered parameters through the Functions below (unit.py), the runtime
-(hooks.py) receives their backward calls, and ZeRO-3's saved-tensor hooks live beside them in
-saved_params.py.
+(hooks.py) receives their backward calls, and `SavedParams` keeps tokens instead of gathered
+parameters in autograd's saved tensors.
 
 [Note: fullshard and autograd]
 What autograd holds of a unit, and for how long:
@@ -22,10 +23,10 @@ What autograd holds of a unit, and for how long:
 - Lifetime. Backward formulas save what they need (a Linear saves its weight: a view of the
   buffer) until backward. Under ZeRO-3 they must not keep the buffer alive, so while the root
   runs forward, saved-tensor hooks turn such views into tokens and unpacking one gathers the
-  unit again (see [Note: ZeRO-3 and saved tensors] in engine/saved_params.py). A buffer thus
-  lives from its unit's gather to its `Unit.reshard` and no longer: the views in the
-  modules' `__dict__` are removed by the post-forward hook first, autograd holds tokens, and
-  the Functions' outputs are those same views.
+  unit again ([Note: ZeRO-3 and saved tensors]). A buffer thus lives from its unit's gather
+  to its `Unit.reshard` and no longer: the views in the modules' `__dict__` are removed by
+  the post-forward hook first, autograd holds tokens, and the Functions' outputs are those
+  same views.
 - When a unit's backward is done: every autograd node it created in the forward pass has
   run -- one `GatheredParams` per (re)gathered call or, for a unit with nothing trainable
   whose inputs require grad, one `BackwardDone` on its inputs (so a frozen unit that ZeRO-3
@@ -38,14 +39,32 @@ a unit's nodes would be created together at its pre-forward, so a bucket's node 
 before the unit's backward is done anyway. (The root's node is created first of all and so
 runs last, even though its LM head is differentiated first; only a node created where the
 head runs could reduce it early.)
+
+[Note: ZeRO-3 and saved tensors]
+Autograd saves the unsharded parameters its backward formulas need (a Linear saves its
+weight). If those references stayed, ZeRO-3 would quietly hold every unit until backward, i.e.
+behave like ZeRO-2 with identical numbers. So while the root runs forward under ZeRO-3 we push
+`saved_tensors_hooks`: a saved tensor whose storage is a gathered bucket buffer is packed as a
+`SavedParamView` (bucket + offset/size/stride, no data); unpacking it in backward gathers the
+unit again (prefetching the one expected next) and returns the same view of the new buffer.
+This only works because the tensors handed to modules are views of the tracked buffer, never
+copies (see bucket.py). Only the root pushes the hooks: the innermost hooks win and ours
+handle every unit.
+
+The runtime (hooks.py) tells `SavedParams` which buffers are gathered (`track` / `untrack`),
+pushes the hooks for the root's forward and pops them at its end; unpacking a token calls the
+runtime back (`regather`) before the view of the new buffer is returned.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from fullshard.engine.eager import keep_eager
 
 if TYPE_CHECKING:
     from fullshard.engine.bucket import Bucket
@@ -154,3 +173,72 @@ def mark_frozen_inputs(runtime: GradientSink, unit: Unit, pass_id: int, args: An
         flat[i] = o
     unit.node_created(pass_id)
     return tree_unflatten(flat, spec)
+
+
+# -- ZeRO-3 saved tensors ---------------------------------------------------------------------
+class SavedParamView(NamedTuple):
+    """What autograd keeps for a saved tensor that is a view of a gathered bucket buffer."""
+
+    unit: Unit
+    bucket: Bucket
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+class SavedParams:
+    """The gathered buffers of one runtime, by storage, and the saved-tensor hooks over them."""
+
+    def __init__(self, *, regather: Callable[[Unit], None]) -> None:
+        self._regather = regather
+        # data_ptr of a gathered bucket buffer -> (unit, bucket); only for buckets whose
+        # unsharded buffer is not the shard itself (the runtime tracks none on one rank).
+        self._owner: dict[int, tuple[Unit, Bucket]] = {}
+        self._hooks: Any = None
+        # Under torch.compile the hooks run eagerly (eager.py): dynamo cannot trace storage
+        # pointers and would otherwise try (and recompile) on every tensor autograd saves.
+        # They call `_pack` and `_unpack` through the instance, so a benchmark or test can
+        # wrap those.
+        self.hook_fns = {"pack": lambda t: self._pack(t), "unpack": lambda s: self._unpack(s)}
+        keep_eager(self, "hook_fns", "pack")
+        keep_eager(self, "hook_fns", "unpack")
+
+    def track(self, unit: Unit) -> None:
+        """`unit` is gathered: saved views of its buffers become tokens."""
+        for b in unit.buckets:
+            assert b.unsharded is not None
+            self._owner[b.unsharded.untyped_storage().data_ptr()] = (unit, b)
+
+    def untrack(self, unit: Unit) -> None:
+        for b in unit.buckets:
+            if b.unsharded is not None:
+                self._owner.pop(b.unsharded.untyped_storage().data_ptr(), None)
+
+    def push(self) -> None:
+        """Enter the hooks (the root's forward begins)."""
+        fns = self.hook_fns
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(fns["pack"], fns["unpack"])
+        self._hooks.__enter__()
+
+    def pop(self) -> bool:
+        """Leave the hooks if they were pushed (the root's forward ends); whether they were."""
+        if self._hooks is None:
+            return False
+        hooks, self._hooks = self._hooks, None
+        hooks.__exit__(None, None, None)
+        return True
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        owner = self._owner.get(t.untyped_storage().data_ptr())
+        if owner is None or t.dtype != owner[1].compute_dtype:
+            return t
+        unit, bucket = owner
+        return SavedParamView(unit, bucket, t.size(), t.stride(), t.storage_offset())
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, SavedParamView):
+            return saved
+        self._regather(saved.unit)
+        buf = saved.bucket.unsharded
+        assert buf is not None
+        return buf.as_strided(saved.size, saved.stride, saved.offset)

@@ -7,7 +7,7 @@ Memory layout (S = shard-axis size, L = sum of the params' padded shard sizes):
                           gathering needs no copy-in.
     unsharded    (S*L,)   *parameter-major*: each parameter's S*c padded rows contiguous, so the
                           tensors handed to modules are plain views of one buffer we track
-                          (see [Note: ZeRO-3 and saved tensors] in engine/saved_params.py).
+                          (see [Note: ZeRO-3 and saved tensors] in engine/autograd.py).
                           What `unit_comm.gather_params` returns; how it gets there (in place
                           on the wire, or rank-major and copied out once) is the seam's. With
                           S == 1 nothing is gathered: the shards themselves are the data.
@@ -23,20 +23,28 @@ device (one `.to`, a no-op without mixed precision or offload), so the gathered 
 with `param_dtype`. Gradients are packed and reduced in `reduce_dtype` and converted back to
 the master dtype and device on the way into `.grad`.
 
-Every buffer above except `shard_flat` and the reduce output is counted by `memory.track`
-for as long as it is alive.
+Every buffer above except `shard_flat` and the reduce output is counted by `track` (the
+figures behind `fullshard.memory_stats()`) from allocation until it is actually freed: a
+weakref finalizer, so a buffer that autograd (or anyone) still references stays counted after
+the engine lets go of it. RSS and allocator statistics cannot tell whether sharding works (the
+allocator keeps freed buffers); this count makes a silent ZeRO-2 (autograd keeping gathered
+parameters alive until backward) visible. Between steps both current figures are zero; the
+peaks show ZeRO-3 against ZeRO-2 and check the planner. Autograd's own tensors (activations,
+the gradients it computes before handing them to the engine) are the model's, not counted.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 
 from fullshard.distributed import unit_comm
 from fullshard.distributed.mesh import ShardMesh
 from fullshard.distributed.unit_comm import GatherHandle, GatherRequest, ReduceHandle
-from fullshard.engine.memory import track
 from fullshard.engine.sharded_param import ShardedParam
 
 
@@ -71,12 +79,13 @@ class Bucket:
         self.numel = offset
         # The layout arithmetic the hot path needs, computed once (layouts and offsets are
         # fixed at wrap): each parameter's padded shard size, its slice of the unsharded
-        # buffer (start, stop, shape) and its local rows' slice of a flat shard.
+        # buffer (start, stop, shape), its rows' shape and its local rows' slice of a flat shard.
         s = mesh.shard.size
         self.piece_sizes = [p.layout.padded_shard_numel for p in self.params]
         self._view_spans = [
             (s * p.offset, s * p.offset + p.layout.numel, p.layout.shape) for p in self.params
         ]
+        self._row_shapes = [(p.layout.dim0, *p.layout.rest) for p in self.params]
         self._local_spans = [
             (p.offset, p.offset + p.layout.local_rows * p.layout.row_numel, p.layout.local_shape)
             for p in self.params
@@ -225,7 +234,7 @@ class Bucket:
         self, grads: Sequence[torch.Tensor], accumulated: torch.Tensor | None = None
     ) -> unit_comm.ReduceRequest:
         """The seam's request for these unsharded gradients (one per parameter)."""
-        rows = [g.reshape(p.layout.dim0, *p.layout.rest) for g, p in zip(grads, self.params)]
+        rows = [g.reshape(shape) for g, shape in zip(grads, self._row_shapes)]
         return unit_comm.ReduceRequest(
             rows, self.piece_sizes, self.reduce_dtype, self.device, self.label,
             self.check_reduce, accumulated,
@@ -383,3 +392,69 @@ class PendingReduction:
 def _all_negative_zero(t: torch.Tensor) -> bool:
     """Every element is -0.0 (True for an empty tensor: a rank that owns no rows)."""
     return bool((t == 0).logical_and_(t.signbit()).all())
+
+
+# -- the count of unsharded bytes ------------------------------------------------------------
+class _MemoryTracker:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.param_bytes = 0
+        self.grad_bytes = 0
+        self.reset_peaks()
+
+    def reset_peaks(self) -> None:
+        with self._lock:
+            self.peak_param_bytes = self.param_bytes
+            self.peak_grad_bytes = self.grad_bytes
+            self.peak_total_bytes = self.param_bytes + self.grad_bytes
+
+    def add_param(self, nbytes: int) -> None:
+        with self._lock:
+            self.param_bytes += nbytes
+            self.peak_param_bytes = max(self.peak_param_bytes, self.param_bytes)
+            self._update_total()
+
+    def add_grad(self, nbytes: int) -> None:
+        with self._lock:
+            self.grad_bytes += nbytes
+            self.peak_grad_bytes = max(self.peak_grad_bytes, self.grad_bytes)
+            self._update_total()
+
+    def _update_total(self) -> None:
+        self.peak_total_bytes = max(self.peak_total_bytes, self.param_bytes + self.grad_bytes)
+
+
+TRACKER = _MemoryTracker()
+
+
+def track(tensor: torch.Tensor, kind: Literal["param", "grad"]) -> torch.Tensor:
+    """Count `tensor`'s bytes as unsharded `kind` bytes until the tensor object is freed.
+
+    Views keep their base tensor alive, so the count lasts as long as any view of it does.
+    """
+    nbytes = tensor.numel() * tensor.element_size()
+    add = TRACKER.add_param if kind == "param" else TRACKER.add_grad
+    add(nbytes)
+    weakref.finalize(tensor, add, -nbytes)
+    return tensor
+
+
+def memory_stats() -> dict[str, int]:
+    """Unsharded bytes the engine holds now and at its peak since the last reset.
+
+    Keys: `unsharded_param_bytes`, `unsharded_grad_bytes` (now), `peak_unsharded_param_bytes`,
+    `peak_unsharded_grad_bytes`, `peak_unsharded_bytes` (peak of their sum).
+    """
+    t = TRACKER
+    return {
+        "unsharded_param_bytes": t.param_bytes,
+        "unsharded_grad_bytes": t.grad_bytes,
+        "peak_unsharded_param_bytes": t.peak_param_bytes,
+        "peak_unsharded_grad_bytes": t.peak_grad_bytes,
+        "peak_unsharded_bytes": t.peak_total_bytes,
+    }
+
+
+def reset_memory_stats() -> None:
+    """Set the peaks back to the current figures."""
+    TRACKER.reset_peaks()

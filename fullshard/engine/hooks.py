@@ -14,7 +14,7 @@ backward  `GatheredParams.backward` (once per unit, when its gradients are compl
 end       a callback queued on the autograd engine finishes all reductions and releases every
           unit, so nothing unsharded survives the step.
 
-The gathers ahead (`_gather_ahead`) and the held reductions (`_queue_reductions`) follow
+The gathers ahead (`Unit.gather_ahead`) and the held reductions (`Reductions.submit`) follow
 the seam's budgets: see [Note: small units travel together] in distributed/unit_comm.py.
 
 [Note: what a training loop may do between steps]
@@ -36,23 +36,6 @@ step that went wrong could leave behind:
 - `torch.autograd.grad(loss, params)`: the reductions run synchronously and their local-shard
   results are returned to autograd instead of being written to `.grad`.
 
-[Note: the root stays gathered]
-The root's forward encloses every other unit's, so the root is gathered for the whole forward
-anyway, and its backward (the head, the final norm) runs first. Releasing it after forward
-only to gather it again at once is an exposed exchange that nothing can hide, so by default
-(FSDP2's `reshard_after_forward=None`; `plan.reshard_root_after_forward` False) the root is
-not released by its post-hook: ZeRO-3 gathers every other unit twice per step and the root
-once. Its lifetime: gathered from its pre-hook until its own `GatheredParams.backward` (its
-gradients complete, i.e. near the end of backward, its embedding being the first layer) or
-the end-of-backward callback releases it, which is no longer than with True, where backward
-gathers it again first and holds it to the same point; the peak is the same. Its saved
-tensors are still packed as tokens (the hooks do not tell units apart); unpacking finds it
-gathered and gathers nothing. A forward with gradients that no backward follows leaves the
-root gathered until the next step reuses it (as ZeRO-2 leaves every unit); `release_all`,
-`zero_grad` after a failed step and a load drop it.
-The same for any unit a per-unit `reshard_after_forward` keeps (`unit.reshard_after_forward`,
-set at wrap), e.g. torchtitan's LM head unit: gathered once, reduced as its backward ends.
-
 [Note: the turn from forward to backward]
 Under ZeRO-3 the first unit backward needs (the last block; the order recorded last step,
 else the reverse of this forward) was released by its post-hook moments ago, and its first
@@ -65,9 +48,6 @@ the gathers of the first `backward_prefetch_limit` units of that order
 backward would issue anyway; it is counted when it is issued, before `loss.backward()`); the
 transient memory is the prefetch's, within the limit. A forward with grad that no backward
 follows leaves them gathered until the next step uses or releases them, as it leaves the root.
-
-Activation checkpointing reruns unit forwards inside backward: what the hooks do then is
-[Note: recomputed forwards] in engine/unit.py.
 """
 
 from __future__ import annotations
@@ -84,13 +64,12 @@ from torch.autograd import Variable
 
 from fullshard.config import ShardingPlan
 from fullshard.distributed.mesh import ShardMesh
-from fullshard.distributed.unit_comm import Reductions, gather_batch_bytes
+from fullshard.distributed.unit_comm import Reductions
+from fullshard.engine.autograd import SavedParams, mark_frozen_inputs, writes_grad
 from fullshard.engine.autograd import in_backward as _in_backward
-from fullshard.engine.autograd import mark_frozen_inputs, writes_grad
 from fullshard.engine.bucket import Bucket, PendingReduction
 from fullshard.engine.mixed_precision import cast_floating
-from fullshard.engine.saved_params import SavedParams
-from fullshard.engine.thunder_refusal import refuse_thunder_trace
+from fullshard.engine.thunder_refusal import THUNDER_INTERPRETER, refuse_thunder_trace
 from fullshard.engine.unit import Reshard, Unit
 
 
@@ -169,7 +148,7 @@ class Runtime:
         self._backward_plan_list: list[Unit] = []
         # Reductions in flight, one entry per issue (a unit's buckets, or a batch of small
         # units' buckets sent together), oldest first; the seam holds small units' ones
-        # until they go together (see `_queue_reductions`).
+        # until they go together (`Reductions.submit`).
         self.pending: collections.deque[list[PendingReduction]] = collections.deque()
         self.reductions = Reductions(mesh, on_issue=self._track_pending)
         self.state = TrainingState.IDLE
@@ -181,9 +160,8 @@ class Runtime:
         self.callback_task: int | None = None
         self._grad_mode_task = -1  # task for which `_returns_grads` was decided
         self._returns_grads = False  # this task is torch.autograd.grad: return, don't write
-        # ZeRO-3: the saved-tensor hooks over gathered buffers (saved_params.py), which the
-        # units tell when their buffers come and go (not needed where a unit's unsharded
-        # buffer is the shard itself)
+        # ZeRO-3's saved-tensor hooks, told by the units when their buffers come and go (none
+        # where the unsharded buffer is the shard itself)
         self.saved = SavedParams(regather=self._regather_saved)
         for u in units:
             u.saved = self.saved if mesh.shard.size > 1 else None
@@ -224,7 +202,8 @@ class Runtime:
         recomputing = _in_backward()
         if recomputing:
             self._begin_recompute()  # post_forward (always called) ends it
-        refuse_thunder_trace(unit.name)  # thunder.jit of the model or a unit: a dict lookup
+        if THUNDER_INTERPRETER in sys.modules:  # thunder.jit of the model or a unit?
+            refuse_thunder_trace(unit.name)
         if unit is self.root and not recomputing:
             self._begin_forward()
         unit.reshard_if_stale()
@@ -233,7 +212,7 @@ class Runtime:
         else:
             self.forward_order.append(unit)
             pos = len(self.forward_order) - 1
-            self._gather_ahead(unit, self.forward_order_prev, pos, self.prefetch_limit)
+            unit.gather_ahead(self.forward_order_prev, pos, self.prefetch_limit, self.mesh)
         unit.wait_gathered()
         with_grad = torch.is_grad_enabled()
         if recomputing:
@@ -253,32 +232,13 @@ class Runtime:
             and self._wants_saved_tensor_hooks(with_grad, recomputing)
         ):
             return mark_frozen_inputs(self, unit, self.pass_id, args, kwargs)
-        if dtype is not None:
-            return args, kwargs
-        return None
-
-    def gather_for_recompute(self, unit: Unit) -> None:
-        """Activation checkpointing: gather and install `unit` for a recomputation that runs
-        outside its hooks -- an enclosing unit whose parameters the checkpointed region reads
-        (see activation_checkpoint.py). Installed as for the unit's own recomputation: trainable
-        tensors require grad, so the recomputed ops save exactly what the original forward
-        saved (non-reentrant checkpoint checks), and a reentrant checkpoint's nested backward
-        hands their gradients to `recomputed_backward`. Released by the unit's own last node,
-        or at the end of backward."""
-        self._ensure_backward_callback()
-        unit.reshard_if_stale()
-        if not unit.is_gathered:
-            unit.start_gather(async_op=False)
-        unit.wait_gathered()
-        unit.install_recomputed(self)
+        return (args, kwargs) if dtype is not None else None
 
     def recomputed_backward(self, unit: Unit, grads: tuple[torch.Tensor | None, ...]) -> None:
-        """`RecomputedParams.backward` (reentrant checkpointing only): add the gradients the
-        recomputed graph produced for `unit` to the unit's sum of the pass. They are reduced
-        with the unit's last counted node, or by the end-of-backward flush when none is left
-        to run (the unit ran only inside reentrant checkpoints, whose first forward records
-        no node, or its node ran already)."""
-        self._ensure_backward_callback()
+        """`RecomputedParams.backward` (reentrant checkpointing only): add the recomputed
+        graph's gradients to `unit`'s sum of the pass ([Note: recomputed forwards] in
+        engine/unit.py: reduced with its last counted node, else by `_flush_partial`)."""
+        self.ensure_backward_callback()
         unit.add_partial_grads(grads)
 
     def post_forward(self, unit: Unit, module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -329,52 +289,22 @@ class Runtime:
         self.forward_order = []
 
     def _wants_saved_tensor_hooks(self, with_grad: bool, recomputing: bool) -> bool:
-        return (
-            with_grad
-            and not recomputing
-            and self._any_reshards
-            and self.sync_gradients
-            and self.mesh.shard.size > 1
-        )
-
-    def _gather_ahead(self, unit: Unit, order: list[Unit], pos: int, limit: int) -> None:
-        """Have `unit` gathered or in flight, and prefetch what follows it in `order` (the
-        order recorded on the last pass, `unit` expected at `pos`).
-
-        Ahead means the next `limit` units and, where small units' exchanges can be sent
-        together (gloo), as many more as keep the bytes in flight within `SMALL_UNITS_BYTES`
-        per rank: they are issued in one exchange with `unit` if it needs one. The window is
-        refilled only when one of the next `limit` units is not in flight, so a run of small
-        units costs one exchange per ~SMALL_UNITS_BYTES, not one per unit. Memory: the units in
-        flight ahead are `limit` units or SMALL_UNITS_BYTES per rank gathered, whichever is more.
-        """
-        window: list[Unit] = []
-        if limit > 0 and pos < len(order) and order[pos] is unit:
-            budget, nbytes = gather_batch_bytes(self.mesh.shard), unit.gather_nbytes
-            for nxt in order[pos + 1 :]:
-                if nxt is unit or nxt in window:
-                    continue  # a unit called several times per pass
-                if len(window) >= limit and nbytes + nxt.gather_nbytes > budget:
-                    break
-                window.append(nxt)
-                nbytes += nxt.gather_nbytes
-        if unit.in_flight and all(u.in_flight for u in window[:limit]):
-            return
-        for u in window:
-            u.reshard_if_stale()
-        unit.start_gather_with(window, async_op=True)
+        return (with_grad and not recomputing and self._any_reshards and self.sync_gradients
+                and self.mesh.shard.size > 1)
 
     # -- ZeRO-3 saved tensors ---------------------------------------------------------------
     def _regather_saved(self, unit: Unit) -> None:
-        """A saved tensor of `unit` is being unpacked in backward (saved_params.py): gather
+        """A saved tensor of `unit` is being unpacked in backward (autograd.py): gather
         the unit again if it is not, prefetching the ones expected next."""
         # Every unpack, not only a gathering one: the root stays gathered into backward, and
         # the outer task's callback must be queued before a reentrant recomputation nests one.
-        self._ensure_backward_callback()
+        self.ensure_backward_callback()
         if not unit.is_gathered:
             self.backward_order.append(unit)
             pos = self._backward_plan.get(unit, len(self._backward_plan_list))
-            self._gather_ahead(unit, self._backward_plan_list, pos, self.backward_prefetch_limit)
+            unit.gather_ahead(
+                self._backward_plan_list, pos, self.backward_prefetch_limit, self.mesh
+            )
             unit.wait_gathered()
 
     def _expected_backward_order(self) -> list[Unit]:
@@ -383,18 +313,14 @@ class Runtime:
         return self.backward_order_prev or list(reversed(self.forward_order))
 
     def _prefetch_backward_start(self, order: list[Unit]) -> None:
-        """ZeRO-3, the root's forward is done: start gathering again the first
-        `backward_prefetch_limit` units backward will need (see [Note: the turn from forward
-        to backward])."""
-        if self.backward_prefetch_limit <= 0:
-            return
-        ahead = list(dict.fromkeys(u for u in order if not u.is_gathered))
-        ahead = ahead[: self.backward_prefetch_limit]
+        """See [Note: the turn from forward to backward]."""
+        limit = self.backward_prefetch_limit
+        ahead = list(dict.fromkeys(u for u in order if not u.is_gathered))[:limit]
         if ahead:
             ahead[0].start_gather_with(ahead[1:], async_op=True)
 
     # -- backward ---------------------------------------------------------------------------
-    def _ensure_backward_callback(self) -> None:
+    def ensure_backward_callback(self) -> None:
         if not _in_backward():
             return
         task = torch._C._current_graph_task_id()
@@ -408,10 +334,9 @@ class Runtime:
         self.callback_task = task
         self._set_phase(TrainingState.BACKWARD)
         order = self._expected_backward_order()
-        plan: dict[Unit, int] = {}
-        for i, u in enumerate(order):
-            plan.setdefault(u, i)
-        self._backward_plan, self._backward_plan_list = plan, order
+        # each unit's first position in it (a unit may come several times)
+        self._backward_plan = {u: i for i, u in reversed(list(enumerate(order)))}
+        self._backward_plan_list = order
         self.backward_order = []
 
     def _task_returns_grads(self, unit: Unit) -> bool:
@@ -433,7 +358,7 @@ class Runtime:
         """Called by `GatheredParams.backward` with the unit's unsharded gradients (one per
         parameter routed in `routing`). Returns the local-shard gradients to hand to autograd
         under `torch.autograd.grad`, else None (the `.grad`s are written here)."""
-        self._ensure_backward_callback()
+        self.ensure_backward_callback()
         returns = self._task_returns_grads(unit)
         if returns and not self.sync_gradients:
             raise RuntimeError(
@@ -444,17 +369,9 @@ class Runtime:
         if not unit.node_done(torch._C._current_graph_task_id()):
             unit.add_partial_grads(grads)  # called again later in this pass: reduce once
             return None
-        all_grads = unit.take_grads(grads)
         result: list[torch.Tensor | None] = []
-        unit_pendings: list[PendingReduction] = []
-        start = 0
-        for bucket, mask in routing:
-            chunk, unused = [], []
-            for p, routed in zip(bucket.params, mask):
-                g = all_grads[start] if routed else None
-                start += routed
-                unused.append(g is None)
-                chunk.append(g if g is not None else bucket.unused_grad(p))
+        pendings = []
+        for bucket, mask, chunk, unused in unit.bucket_grads(routing, grads):
             if not self.sync_gradients:
                 bucket.accumulate_grads(chunk)
                 continue
@@ -462,28 +379,20 @@ class Runtime:
             if returns:
                 reduced = pending.finish(to_grad=False)
                 result += [g for g, routed in zip(reduced, mask) if routed]
-                continue
-            unit_pendings.append(pending)
-        if unit_pendings:
-            self._queue_reductions(unit_pendings)
+            else:
+                pendings.append(pending)
+        if pendings:
+            # The seam sends them, or holds small ones to go with the next units'
+            # (unit_comm.Reductions); each issue comes back to `_track_pending`.
+            self.reductions.submit(pendings)
         self._reshard(unit, Reshard.AFTER_BACKWARD)
         return result if returns else None
 
-    def _queue_reductions(self, unit_pendings: list[PendingReduction]) -> None:
-        """Hand one unit's reductions to the seam, which sends them or holds small ones to go
-        with the next units' (`unit_comm.Reductions`); each issue comes back to
-        `_track_pending`. The reductions of at most `max_pending_reductions` issues stay in
-        flight; older ones are finished while earlier units compute."""
-        self.reductions.submit(unit_pendings)
-
-    def _flush_reductions(self) -> None:
-        self.reductions.flush()
-
     def _track_pending(self, pendings: list[PendingReduction]) -> None:
+        """The reductions of at most `max_pending_reductions` issues stay in flight; older
+        ones are finished while earlier units compute."""
         self.pending.append(pendings)
-        while len(self.pending) > self.max_pending_reductions:
-            for p in self.pending.popleft():
-                p.finish()
+        self._finish_pending(keep=self.max_pending_reductions)
 
     def frozen_backward_done(self, unit: Unit) -> None:
         """`BackwardDone.backward`: gradients have flowed through a unit with nothing
@@ -504,7 +413,7 @@ class Runtime:
             self._set_phase(TrainingState.FINISHING)
         try:
             self._flush_partial()
-            self._flush_reductions()
+            self.reductions.flush()
             self._finish_pending()
             for u in self.units:
                 self._reshard(u, Reshard.AFTER_BACKWARD)
@@ -515,23 +424,21 @@ class Runtime:
                 self.callback_task = None
                 self._set_phase(TrainingState.IDLE)
 
-    def _finish_pending(self) -> None:
-        while self.pending:
+    def _finish_pending(self, keep: int = 0) -> None:
+        """Wait for the oldest issues' reductions and write `.grad` until `keep` are left."""
+        while len(self.pending) > keep:
             for p in self.pending.popleft():
                 p.finish()
 
     # -- between steps ----------------------------------------------------------------------
     def reset_step(self) -> None:
-        """Return every unit to idle after a forward or backward that raised (the runtime's
-        own recovery, and `fullshard.reset_step(model)`; see [Note: what a training loop may
-        do between steps]). After a failed backward (BACKWARD, FINISHING) its reductions in
-        flight are waited for and dropped with the gradients not yet in `.grad` (partial
-        sums, a no_sync accumulation it may have half updated). After a failed forward
-        (FORWARD: the root's post-hook calls this) its partial order is forgotten, and once a
-        wait fails (a peer died) the other gathers are set aside unwaited: a broken group can
-        only raise again or block, hiding the forward's own error. Always: every unit is
-        uninstalled and resharded, the state is IDLE; `.grad` and the no_sync accumulation
-        of earlier complete backwards are kept (`zero_grad` drops those)."""
+        """Return every unit to idle after a forward or backward that raised ([Note: what a
+        training loop may do between steps]). A failed backward's reductions in flight are
+        waited for and dropped with the gradients not yet in `.grad` (partial sums, a no_sync
+        accumulation it may have half updated). A failed forward's partial order is forgotten
+        and, once a wait fails (a peer died), the other gathers are set aside unwaited: a
+        broken group can only raise again or block, hiding the forward's own error. `.grad`
+        and the no_sync accumulation of earlier complete backwards are kept."""
         if _in_backward():
             raise RuntimeError(
                 "fullshard.reset_step(model) (or a load into the model, which resets the step "

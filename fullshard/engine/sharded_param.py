@@ -5,10 +5,8 @@ bucket's flat shard storage; the padded rows behind it stay zero because nothing
 writes there. The optimizer therefore holds exactly the local rows (its state is sharded for
 free) and an in-place update of `param` is an update of the bytes the next all-gather sends.
 
-`refs` lists every `(module, attribute)` that holds the parameter -- several for tied weights.
-While the owning unit is gathered, the unsharded tensor is put in each module's instance
-`__dict__` under that attribute: instance attributes win over `nn.Module.__getattr__`, so
-`module.weight` sees the unsharded tensor while `named_parameters()` still yields the shard.
+`refs` lists every `(module, attribute)` that holds the parameter -- several for tied weights:
+where `Unit.install` puts the unsharded tensor while the owning unit is gathered.
 """
 
 from __future__ import annotations
@@ -41,14 +39,6 @@ class ShardedParam:
         for module, name in self.refs:
             module._parameters[name] = self.param
         return self.param
-
-    def install(self, unsharded: torch.Tensor) -> None:
-        for module, name in self.refs:
-            module.__dict__[name] = unsharded
-
-    def uninstall(self) -> None:
-        for module, name in self.refs:
-            module.__dict__.pop(name, None)
 
 
 def params_by_module(params: Iterable[ShardedParam]) -> dict[nn.Module, dict[str, ShardedParam]]:

@@ -130,8 +130,7 @@ def shard_module(
     )
     runtime.units_description = unit_choice.describe()
     # Under torch.compile the hooks run eagerly (they issue collectives and swap tensors):
-    # one clean graph break at each, instead of dynamo tracing into them and breaking inside
-    # (disabled when dynamo is imported, not before: eager.py).
+    # one clean graph break at each, instead of dynamo tracing into them (eager.py).
     for unit in units:
         register_unit_hooks(
             unit.module,

@@ -22,7 +22,8 @@ before anything is sharded or traced: a `ThunderModule` anywhere in the model gi
 (`refuse_thunder_trace`, called by every unit's pre-hook).
 
 Nothing here imports thunder: a `ThunderModule` or a thunder trace exists only once thunder
-has been imported, so `sys.modules` is looked up (one dict lookup per unit forward).
+has been imported, so `sys.modules` is looked up (the pre-hook looks up `THUNDER_INTERPRETER`
+itself, one dict lookup per unit forward, and calls here only once thunder is imported).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ _FIX = (
     "model with `fullshard.fsdp(model)` and leave out thunder.jit (`torch.compile` composes "
     "with fullshard)."
 )
+
+THUNDER_INTERPRETER = "thunder.core.interpreter"
 
 
 def thunder_module_in(model: nn.Module) -> str | None:
@@ -67,7 +70,7 @@ def refuse_thunder_trace(unit_name: str) -> None:
     """Raise a TypeError when thunder's tracer is running this code: `thunder.jit(fsdp(m))`,
     or `thunder.jit` of one of its units, reached the forward of the unit `unit_name` (`''`:
     the root)."""
-    interpreter = sys.modules.get("thunder.core.interpreter")
+    interpreter = sys.modules.get(THUNDER_INTERPRETER)
     if interpreter is None:
         return
     # The compile context is set while thunder interprets a function, whether it interprets

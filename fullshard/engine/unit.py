@@ -18,6 +18,23 @@ through `GatheredParams`, reduced and written to `.grad` follows the flags of th
 bucket with any trainable parameter is reduced whole (zeros travel for its frozen ones, whose
 `.grad` is left alone); a bucket with none is not reduced.
 
+[Note: the root stays gathered]
+The root's forward encloses every other unit's, so the root is gathered for the whole forward
+anyway, and its backward (the head, the final norm) runs first. Releasing it after forward
+only to gather it again at once is an exposed exchange that nothing can hide, so by default
+(FSDP2's `reshard_after_forward=None`; `plan.reshard_root_after_forward` False) the root is
+not released by its post-hook: ZeRO-3 gathers every other unit twice per step and the root
+once. Its lifetime: gathered from its pre-hook until its own `GatheredParams.backward` (its
+gradients complete, i.e. near the end of backward, its embedding being the first layer) or
+the end-of-backward callback releases it, which is no longer than with True, where backward
+gathers it again first and holds it to the same point; the peak is the same. Its saved
+tensors are still packed as tokens (the hooks do not tell units apart); unpacking finds it
+gathered and gathers nothing. A forward with gradients that no backward follows leaves the
+root gathered until the next step reuses it (as ZeRO-2 leaves every unit); `release_all`,
+`zero_grad` after a failed step and a load drop it.
+The same for any unit a per-unit `reshard_after_forward` keeps (`unit.reshard_after_forward`,
+set at wrap), e.g. torchtitan's LM head unit: gathered once, reduced as its backward ends.
+
 [Note: recomputed forwards]
 Activation checkpointing runs a unit's forward again inside backward. There the runtime's
 pre-hook (hooks.py) gathers the unit as usual but records no order, prefetches nothing, pushes
@@ -26,7 +43,7 @@ through `RecomputedParams` (autograd.py) and does not release after forward: bac
 using the unit, and its `GatheredParams.backward` releases it as always. A checkpointed
 region that is not itself a unit reads the parameters of the units enclosing it, whose hooks
 do not run again: activation_checkpoint.py gathers and installs those
-(`Runtime.gather_for_recompute`).
+(`_install_for_recompute`).
 
 What the recomputed graph is for depends on the checkpoint flavour, and the unit cannot tell
 them apart:
@@ -49,18 +66,17 @@ from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
-from fullshard.engine.autograd import GatheredParams, GradientSink, RecomputedParams
+from fullshard.distributed.mesh import ShardMesh
+from fullshard.distributed.unit_comm import gather_batch_bytes
+from fullshard.engine.autograd import GatheredParams, GradientSink, RecomputedParams, SavedParams
 from fullshard.engine.bucket import Bucket, start_gathers
 from fullshard.engine.sharded_param import ShardedParam
-
-if TYPE_CHECKING:
-    from fullshard.engine.saved_params import SavedParams
 
 
 class UnitState(enum.Enum):
@@ -162,9 +178,37 @@ class Unit:
                 done = u.buckets[0].is_gathered
                 u.state = UnitState.GATHERED if done else UnitState.GATHERING
 
+    def gather_ahead(self, order: list[Unit], pos: int, limit: int, mesh: ShardMesh) -> None:
+        """Have this unit gathered or in flight, and prefetch what follows it in `order` (the
+        order recorded on the last pass, this unit expected at `pos`).
+
+        Ahead means the next `limit` units and, where small units' exchanges can be sent
+        together (gloo), as many more as keep the bytes in flight within the seam's budget
+        (`unit_comm.gather_batch_bytes`) per rank: they are issued in one exchange with this
+        unit if it needs one. The window is refilled only when one of the next `limit` units
+        is not in flight, so a run of small units costs one exchange per budget, not one per
+        unit. Memory: the units in flight ahead are `limit` units or the budget per rank
+        gathered, whichever is more.
+        """
+        window: list[Unit] = []
+        if limit > 0 and pos < len(order) and order[pos] is self:
+            budget, nbytes = gather_batch_bytes(mesh.shard), self.gather_nbytes
+            for nxt in order[pos + 1 :]:
+                if nxt is self or nxt in window:
+                    continue  # a unit called several times per pass
+                if len(window) >= limit and nbytes + nxt.gather_nbytes > budget:
+                    break
+                window.append(nxt)
+                nbytes += nxt.gather_nbytes
+        if self.in_flight and all(u.in_flight for u in window[:limit]):
+            return
+        for u in window:
+            u.reshard_if_stale()
+        self.start_gather_with(window, async_op=True)
+
     def wait_gathered(self) -> None:
         """Wait for the gather started before; ZeRO-3's saved-tensor hooks now know the
-        buffers (see [Note: ZeRO-3 and saved tensors] in engine/saved_params.py)."""
+        buffers (see [Note: ZeRO-3 and saved tensors] in engine/autograd.py)."""
         if not self.buckets:
             return
         self._expect("wait_gathered", UnitState.GATHERING, UnitState.GATHERED)
@@ -190,7 +234,7 @@ class Unit:
           (config.ShardingPlan.unit_reshards): True for every unit but the root under
           FULL_SHARD / HYBRID_SHARD (ZeRO-3: released after forward, gathered again for
           backward); False under SHARD_GRAD_OP (ZeRO-2: kept from forward into backward) and
-          for the root by default ([Note: the root stays gathered] in engine/hooks.py); a
+          for the root by default ([Note: the root stays gathered]); a
           per-unit `reshard_after_forward` (FSDP2's) overrides either. NO_SHARD follows
           SHARD_GRAD_OP's schedule, but its shard axis has size 1: the "unsharded buffer" is
           the shards themselves (or their cast copy under mixed precision), so resharding
@@ -283,6 +327,20 @@ class Unit:
             grads, self.partial_grads = self.partial_grads, None
         return list(grads)
 
+    def bucket_grads(
+        self, routing: list[tuple[Bucket, tuple[bool, ...]]], grads: Sequence[torch.Tensor | None]
+    ) -> Iterator[tuple[Bucket, tuple[bool, ...], list[torch.Tensor], list[bool]]]:
+        """Per bucket of `routing` (the trainable flags `grads` were routed with): the bucket,
+        its flags, one gradient per parameter (this pass's sum; `Bucket.unused_grad` where
+        this rank gave none) and which ones this rank gave none."""
+        routed_grads = iter(self.take_grads(grads))
+        for bucket, mask in routing:
+            chunk = [next(routed_grads) if routed else None for routed in mask]
+            unused = [g is None for g in chunk]
+            filled = [g if g is not None else bucket.unused_grad(p)
+                      for p, g in zip(bucket.params, chunk)]
+            yield bucket, mask, filled, unused
+
     def trainable_views(self) -> list[torch.Tensor]:
         return [v for b, mask in self.routing for v, m in zip(b.unsharded_views(), mask) if m]
 
@@ -317,8 +375,7 @@ class Unit:
             self._install_order = [p for p, _ in frozen] + self.trainable_params
             self.cached_views = views if with_grad else None
             self.cached_pass = pass_id
-        for p, v in zip(self._install_order, views):
-            p.install(v)
+        _put(zip(self._install_order, views))
 
     def install_recomputed(self, runtime: GradientSink) -> None:
         """Install the gathered tensors for a recomputation inside backward: trainable ones
@@ -331,11 +388,20 @@ class Unit:
             trainable = list(RecomputedParams.apply(runtime, self, *shards))
         else:
             trainable = [v.detach() for v in self.trainable_views()]
-        for p, v in self.frozen_pairs():
-            p.install(v)
-        for p, v in zip(self.trainable_params, trainable):
-            p.install(v)
+        _put(self.frozen_pairs())
+        _put(zip(self.trainable_params, trainable))
 
     def uninstall(self) -> None:
         for p in self.params:
-            p.uninstall()
+            for module, name in p.refs:
+                module.__dict__.pop(name, None)
+
+
+def _put(pairs: Iterable[tuple[ShardedParam, torch.Tensor]]) -> None:
+    """Put each tensor in the instance `__dict__` of every module that holds its parameter
+    (several for tied weights): instance attributes win over `nn.Module.__getattr__`, so
+    `module.weight` reads the unsharded tensor while `named_parameters()` still yields the
+    shard."""
+    for p, v in pairs:
+        for module, name in p.refs:
+            module.__dict__[name] = v

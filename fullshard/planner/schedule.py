@@ -5,10 +5,10 @@
 This file is `Runtime`'s schedule (engine/hooks.py) for one step, written out again, twice:
 over byte sizes and over seconds. The engine exposes no schedule to read, so a change to the
 order below in hooks.py must be made in both replays here. Replayed, in order:
-`Runtime.pre_forward` and `_gather_ahead` (the prefetch window), `post_forward` (the release
-after forward; the root is kept, see [Note: the root stays gathered] in engine/hooks.py),
+`Runtime.pre_forward` and `Unit.gather_ahead` (the prefetch window), `post_forward` (the release
+after forward; the root is kept, see [Note: the root stays gathered] in engine/unit.py),
 `_prefetch_backward_start` (see [Note: the turn from forward to backward] in
-engine/hooks.py), `post_backward` with `_queue_reductions` (the `max_pending_reductions`
+engine/hooks.py), `post_backward` with `Reductions.submit` (the `max_pending_reductions`
 window) and the release, `_finalize_backward`. The gloo budgets are the engine's own
 (`small_units_bytes()`; see [Note: small units travel together] in distributed/unit_comm.py).
 tests/distributed/test_plan_accuracy.py compares the byte replay with the engine's
@@ -34,7 +34,7 @@ backward  ZeRO-3 (with S > 1): the root is gathered again first (the LM head is 
           each unit after reducing it.
 
 The working set: what is counted is exactly what the engine counts in `memory_stats()`
-(`engine/memory.py`): every buffer `engine/bucket.py` allocates beyond the shards and the
+(`engine/bucket.py`, `track`): every buffer a bucket allocates beyond the shards and the
 `.grad` storage, from its allocation until it is freed. Per bucket, with `L` its padded flat
 shard on `S` shard ranks and `c` / `r` the compute / reduce dtype sizes:
 
@@ -235,8 +235,8 @@ class _Replay:
         self.state[i] = "sharded"
 
     def reduce(self, i: int) -> None:
-        """hooks.Runtime._queue_reductions: into the batch, issued when another unit of this
-        size would not fit; `max_pending` issues in flight."""
+        """hooks.Runtime.post_backward (Reductions.submit): into the batch, issued when another
+        unit of this size would not fit; `max_pending` issues in flight."""
         held = [b.reduce for b in self.units[i].buckets if b.reduce]
         out = sum(b.reduced for b in self.units[i].buckets if b.reduce)
         for nbytes in held:

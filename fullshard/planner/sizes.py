@@ -317,7 +317,7 @@ def comm_bytes(
     out = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
     for i, unit in enumerate(structure.units):
         # ZeRO-3 gathers a unit again for backward; the root stays gathered into backward,
-        # so it is gathered once. See [Note: the root stays gathered] in engine/hooks.py.
+        # so it is gathered once. See [Note: the root stays gathered] in engine/unit.py.
         gathers = 2 if reshard_after_forward and i > 0 else 1
         for b in unit.buckets:
             _, compute, reduce = precision.dtypes(b)

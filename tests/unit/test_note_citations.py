@@ -6,8 +6,8 @@ unique in the repository.
 
 How they are cited: `[Note: <title>]` anywhere else, with the exact title (it may wrap across
 lines). A citation of a note in another file names that file right after it:
-`See [Note: <title>] in engine/saved_params.py`, the path relative to the package directory
-`fullshard/` or to the repository root (`fullshard/engine/saved_params.py`,
+`See [Note: <title>] in engine/autograd.py`, the path relative to the package directory
+`fullshard/` or to the repository root (`fullshard/engine/autograd.py`,
 `benchmarks/cluster.py`). A citation that names no file cites a note of its own file.
 
 So renaming a note, moving it to another file or deleting it fails here until every citation
