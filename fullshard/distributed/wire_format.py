@@ -8,7 +8,8 @@ Formats (`fmt`):
   `block_size` elements (the last one shorter); each block gets one fp32 scale,
   `absmax / 127`, and its elements become `round(x / scale)` in [-127, 127]. Decoding gives
   `q * scale`, so the error of an element is at most scale / 2 = absmax / 254 of its block
-  (up to fp32 rounding, ~1e-7 relative to absmax). A block of zeros gets scale 0 and decodes
+  (up to fp32 rounding, ~1e-7 relative to absmax; decoding into bf16 or fp16 adds that
+  dtype's own rounding of the result). A block of zeros gets scale 0 and decodes
   to exact zeros. (A block whose absmax is below ~1.8e-43, where absmax / 127 underflows to
   0, decodes to zeros too: its error is that absmax.)
 
