@@ -336,6 +336,95 @@ class CPUOffload:
         )
 
 
+COMPRESSED_FORMATS = ("bf16", "int8")
+"""The compressed wire formats a `Compression` field may name (None: the exact bytes)."""
+
+COMPRESSION_BLOCK_SIZES = (32, 4096)
+"""Smallest and largest `Compression.block_size` (powers of two in between)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Compression:
+    """What travels compressed on the wire; the shards, the optimizer step and checkpoints
+    stay full precision (distributed/wire_format.py holds the formats and their error).
+
+    - `weights`: gathers of trainable parameters, dequantized into the compute dtype on
+      arrival (ZeRO++'s qwZ for "int8");
+    - `gradients`: reductions, each rank's chunks quantized, exchanged, dequantized and summed
+      in fp32 (ZeRO++'s qgZ for "int8"; never summed in int8);
+    - `frozen_weights`: gathers of units whose parameters are all frozen (a fine-tuned base);
+    - `block_size`: elements per int8 block, each with its own fp32 scale: the error of an
+      element is at most its block's absmax/254, and the scales cost 4/block_size bytes per
+      element.
+
+    None in a field means that traffic is exact. `Compression.coerce("int8")` is the shorthand
+    for all three fields int8.
+    """
+
+    weights: str | None = None
+    gradients: str | None = None
+    frozen_weights: str | None = None
+    block_size: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("weights", "gradients", "frozen_weights"):
+            value = getattr(self, name)
+            if value is not None and value not in COMPRESSED_FORMATS:
+                allowed = ", ".join(repr(f) for f in COMPRESSED_FORMATS)
+                raise ValueError(
+                    f"Compression.{name}={value!r} is not a wire format; use one of {allowed}, "
+                    f"or None for exact"
+                )
+        size = self.block_size
+        low, high = COMPRESSION_BLOCK_SIZES
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise TypeError(
+                f"Compression.block_size must be an int, got {type(size).__name__} {size!r}; "
+                f"use a power of two from {low} to {high}, e.g. 256"
+            )
+        if not (low <= size <= high) or size & (size - 1):
+            raise ValueError(
+                f"Compression.block_size={size} is not a power of two from {low} to {high}; "
+                f"use e.g. 256 (smaller: less error, more scale bytes)"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any traffic is compressed."""
+        return any(f is not None for f in (self.weights, self.gradients, self.frozen_weights))
+
+    def wire_for(self, traffic: str) -> str:
+        """The wire format of `traffic` ("weights", "gradients" or "frozen_weights") as the
+        communication seam names it: "exact" where the field is None."""
+        if traffic not in ("weights", "gradients", "frozen_weights"):
+            raise ValueError(
+                f"traffic {traffic!r} is not one of 'weights', 'gradients', 'frozen_weights'"
+            )
+        return getattr(self, traffic) or "exact"
+
+    @classmethod
+    def coerce(cls, value: object) -> Compression | None:
+        """Accept a `Compression`, None (nothing compressed), or a format name as shorthand:
+        "int8" or "bf16" compresses weights, gradients and frozen weights alike; "none" and
+        "exact" mean None."""
+        if value is None or isinstance(value, Compression):
+            return value if value is None or value.enabled else None
+        if isinstance(value, str):
+            key = value.strip().lower()
+            if key in ("none", "exact"):
+                return None
+            if key in COMPRESSED_FORMATS:
+                return cls(weights=key, gradients=key, frozen_weights=key)
+            raise ValueError(
+                f"compression={value!r} is not a wire format; use 'int8', 'bf16', 'none', or "
+                f"fullshard.config.Compression(weights=..., gradients=..., ...)"
+            )
+        raise TypeError(
+            f"compression must be a Compression, a format name ('int8', 'bf16', 'none') or "
+            f"None; got {type(value).__name__} {value!r}"
+        )
+
+
 # -- Lightning precision strings (validated here; the engine applies the dtypes) ----------
 
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
