@@ -288,7 +288,7 @@ def all_gather(
                     data = staged.data(staged.rows[_row(r, rank)], nbytes, dtype)
                     torch.split_with_sizes_copy(data, sizes, out=[s[r] for s in regions])
 
-    # The caller's objects themselves, not views: memory.track counts a tensor until the
+    # The caller's objects themselves, not views: bucket.track counts a tensor until the
     # object dies, and the bucket relies on the handle to keep a cast input alive.
     refs = (tuple(x[0] for x in items), tuple(x[1] for x in items),
             None if staged is None else staged.rows, send)
@@ -388,7 +388,7 @@ def reduce_scatter(
                                 for r in range(size)])
             pad.zero_()
 
-    # The caller's input objects themselves, not views of them: memory.track counts a
+    # The caller's input objects themselves, not views of them: bucket.track counts a
     # tensor until that object dies.
     refs = (tuple(x[0] for x in items), tuple(tuple(x[1]) for x in items),
             received, None if staged is None else staged.rows, tuple(sends))
