@@ -193,7 +193,7 @@ def _ddp(impl: Impl, model: nn.Module, world: int) -> Trainer:
     # hooks average through dist.all_reduce, so comm_count sees it. "bf16": gradients
     # all-reduced in bf16, the peer of compressed gradients: torch's `bf16_compress_hook`
     # refuses anything but CUDA/NCCL, so this calls what it runs after that check.
-    def bf16_allreduce_hook(state, bucket):  # noqa: ANN001 (DDP checks the annotations)
+    def bf16_allreduce_hook(state, bucket):  # unannotated: DDP checks them
         return default_hooks._compress_hook(torch.bfloat16, state, bucket)
 
     hooks = {None: default_hooks.allreduce_hook, "bf16": bf16_allreduce_hook}
