@@ -10,7 +10,7 @@ consecutive ranks (one node, when S is the ranks per node), as `init_device_mesh
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -24,15 +24,16 @@ class ShardMesh:
     shard: Group
     replicate: Group
     world: Group
+    data_parallel_size: int = field(init=False)
+    """Ranks that see different data (the world); gradients are averaged over all of them. A
+    plain attribute: the step reads it for every reduction."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "data_parallel_size", self.world.size)
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.replicate.size, self.shard.size)
-
-    @property
-    def data_parallel_size(self) -> int:
-        """Ranks that see different data; gradients are averaged over all of them."""
-        return self.world.size
 
 
 def _default_hybrid_shape(world_size: int) -> tuple[int, int]:
