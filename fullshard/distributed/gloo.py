@@ -1,41 +1,32 @@
-"""Gloo's all-gather, reduce-scatter and small all-reduce as point-to-point exchanges (for
-comm.py).
-
-comm.py decides which algorithm runs, counts it (every counter is added there, none here)
-and is the only caller of torch.distributed collectives; this module holds the algorithms it
-runs on gloo, which use only the point-to-point `isend` / `irecv`, and the divergence header.
+"""Gloo's all-gather, reduce-scatter and small all-reduce as point-to-point exchanges, and
+the divergence header. comm.py decides which algorithm runs, counts it and makes the handle;
+this module only posts `isend` / `irecv` and says what to do once they are complete.
 
 [Note: gloo's all-gather and reduce-scatter]
 On gloo (CPU) we do not call the all-gather / reduce-scatter collectives: gloo implements
 reduce-scatter as an all-reduce plus a chunk (twice the traffic) and its all-gather peaks at
-~8 MB per call, so both are several times slower than the network allows (measured on this
-2-core machine at 32 MB, 2 ranks: all_gather 47 ms, reduce_scatter 61 ms, all_reduce 25 ms;
-at 100 KB: all_gather 0.54 ms against 0.25 ms for one exchange of messages).
+~8 MB per call (measured, 32 MB on 2 ranks: all_gather 47 ms, reduce_scatter 61 ms,
+all_reduce 25 ms; 100 KB: all_gather 0.54 ms against 0.25 ms for one exchange of messages).
 Instead each rank exchanges chunks directly with every peer (`isend`/`irecv`, all posted at
-once, matched by a per-group tag sequence): an all-gather sends our shard to each peer and
-receives theirs into place; a reduce-scatter sends peer j its chunk j and sums the N chunks of
-ours in rank order (so every rank's sum has the same rounding). Each rank sends exactly
-B·(N−1)/N bytes -- the ring optimum -- and the same 32 MB took ~14 ms either way. Large
-exchanges work piece by piece: an all-gather lands each parameter's rows in
-place, and a reduce-scatter sends each peer its rows straight from every unpacked gradient (no
-packed copy, no padding on the wire: wire bytes count what is really sent); only the pieces
-too small to be worth a message (`SMALL_PIECE_BYTES`: biases, norms) go together, copied.
-With many ranks this is N−1 messages per collective instead of a ring's pipeline; NCCL keeps
-its own collectives, which already are optimal. Each gloo message has a fixed cost
-(~0.1-0.2 ms here, more inside a busy step), so small exchanges (`packed=True`) send everything
-as one message per peer -- every piece of a bucket, and the buckets of several small units
-the engine issues together -- at the price of one copy of what is exchanged.
+once): an all-gather sends our shard to each peer and receives theirs into place; a
+reduce-scatter sends peer j its chunk j and sums the N chunks of ours in rank order (the same
+rounding on every rank). Each rank sends B·(N−1)/N bytes, the ring optimum (the same 32 MB:
+~14 ms either way). Large exchanges go piece by piece: an all-gather lands each parameter's
+rows in place, a reduce-scatter sends each peer its rows straight from every unpacked
+gradient (no copy, no padding on the wire); only pieces too small to be worth a message
+(`SMALL_PIECE_BYTES`: biases, norms) go together, copied. NCCL keeps its own collectives,
+already optimal. Each gloo message has a fixed cost (~0.1-0.2 ms), so small exchanges
+(`packed=True`) send everything as one message per peer (every piece of a bucket, and the
+buckets of several small units issued together) at the price of one copy.
 
 [Note: receives are posted first]
 Gloo's TCP transport moves a message only once both ends have posted it: posting a receive
-sends the peer a small "ready to receive" notice, and the peer's data follows when that
-notice arrives. Notices and data share the pair's one TCP connection and its one send queue,
-in posting order. Posting a send first puts its data (megabytes) in that queue ahead of our
-receive notice of the same exchange, so the peer cannot start sending until our data has
-crossed the link: on a link slower than the CPU (300 Mbit/s between hosts) one direction
-idled for ~100 ms per large exchange, and whichever rank ran behind made the other's data
-wait. So every exchange posts all its receives, then its sends (`_Posts`); the matching of
-messages is unchanged (per peer and tag, receives and sends each keep their order).
+sends the peer a "ready to receive" notice, which shares the pair's one connection and send
+queue with data, in posting order. Posting a send first puts its megabytes ahead of our
+receive notice, so the peer cannot start sending until our data has crossed the link (at
+300 Mbit/s between hosts one direction idled ~100 ms per large exchange). So every exchange
+posts all its receives, then its sends (`_Posts`); matching (per peer and tag, in order) is
+unchanged.
 
 [Note: ranks that run different units]
 Every exchange is matched by its position in the group's sequence, so all ranks must issue
@@ -73,7 +64,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from fullshard.distributed.comm import Group
+    from fullshard.distributed.mesh import Group
 
 
 # The identifiers, labels and header bytes of exchanges, and the error that names ranks
@@ -209,16 +200,8 @@ class Header:
 
     __slots__ = ("group", "seq", "idents", "rows", "works")
 
-    def __init__(
-        self,
-        group: Group,
-        seq: int,
-        idents: Sequence[int],
-        *,
-        capacity: int = 0,
-        rows: torch.Tensor | None = None,
-        works: list[Any] | None = None,
-    ) -> None:
+    def __init__(self, group: Group, seq: int, idents: Sequence[int], *, capacity: int = 0,
+                 rows: torch.Tensor | None = None, works: list[Any] | None = None) -> None:
         self.group, self.seq, self.idents = group, seq, tuple(idents)
         if rows is None:
             rows = torch.empty(group.size - 1, capacity, dtype=torch.uint8)
@@ -314,16 +297,9 @@ def _staged_pieces(sizes: Sequence[int], element_size: int, packed: bool) -> Seq
     return small if len(small) > 1 else frozenset()
 
 
-def all_gather(
-    items: Sequence[tuple[torch.Tensor, torch.Tensor, Sequence[int]]],
-    group: Group,
-    seq: int,
-    idents: Sequence[int],
-    header: bool,
-    *,
-    packed: bool,
-    capacity: int,
-) -> Exchange:
+def all_gather(items: Sequence[tuple[torch.Tensor, torch.Tensor, Sequence[int]]], group: Group,
+               seq: int, idents: Sequence[int], header: bool, *, packed: bool, capacity: int
+               ) -> Exchange:
     """All-gathers `(output, input, pieces)` into segment-major outputs: piece j of every rank,
     in rank order, then piece j+1 (comm's `all_gather`).
 
@@ -391,14 +367,8 @@ def segments_plan(
 
 def reduce_scatter(
     items: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor], Sequence[int], str | None]],
-    plans: Sequence[list[tuple[torch.Tensor, int, list[int]]]],
-    group: Group,
-    seq: int,
-    idents: Sequence[int],
-    header: bool,
-    *,
-    packed: bool,
-    capacity: int,
+    plans: Sequence[list[tuple[torch.Tensor, int, list[int]]]], group: Group, seq: int,
+    idents: Sequence[int], header: bool, *, packed: bool, capacity: int,
 ) -> Exchange:
     """Reduce-scatters of unpacked inputs (comm's `reduce_scatter_batch`; `plans`: their
     `segments_plan`): peer j gets its real elements of every piece, never padding.
@@ -475,15 +445,8 @@ def reduce_scatter(
     return _handle(posts.post(), staged, own, sum_in_rank_order, refs)
 
 
-def all_reduce(
-    tensors: Sequence[torch.Tensor],
-    group: Group,
-    seq: int,
-    idents: Sequence[int],
-    header: bool,
-    *,
-    capacity: int,
-) -> Exchange:
+def all_reduce(tensors: Sequence[torch.Tensor], group: Group, seq: int, idents: Sequence[int],
+               header: bool, *, capacity: int) -> Exchange:
     """Small sum all-reduces (comm's `_packed_sum`) in one exchange: every tensor, one after
     the other (after the header, folded in if `header`), goes whole to each peer as one
     message; each peer's message lands in a staging row and, once all are in (`wait()`),
