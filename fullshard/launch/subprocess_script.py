@@ -39,8 +39,8 @@ from typing import Any, ClassVar
 import torch.distributed as dist
 
 from fullshard.distributed.comm import Group, barrier
-from fullshard.distributed.environment import ClusterEnvironment
 from fullshard.launch import failure_board, failure_records
+from fullshard.launch.environment import ClusterEnvironment
 from fullshard.launch.heartbeat import start_heartbeat, stop_heartbeat
 
 _PARENT_PID_VAR = "FULLSHARD_LAUNCHER_PID"
