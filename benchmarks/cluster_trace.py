@@ -52,7 +52,7 @@ TRACER = Tracer()
 
 def install() -> Tracer:
     """Wrap fullshard's collectives, CommHandle.wait and the runtime's hooks."""
-    from fullshard.distributed import comm, comm_handles
+    from fullshard.distributed import comm
     from fullshard.engine import hooks
 
     tr = TRACER
@@ -80,7 +80,7 @@ def install() -> Tracer:
     for name in ("all_gather_batch", "reduce_scatter_batch", "all_reduce_batch"):
         wrap_batch(name)
 
-    orig_wait = comm_handles.CommHandle.wait
+    orig_wait = comm.CommHandle.wait
 
     def wait(self: Any) -> None:
         rec = tr._handles.get(id(self)) if tr.on and not self.done else None
@@ -91,7 +91,7 @@ def install() -> Tracer:
         rec.setdefault("wait_start", t0)
         rec["wait_end"] = time.perf_counter()
 
-    comm_handles.CommHandle.wait = wait
+    comm.CommHandle.wait = wait
 
     rt = hooks.Runtime
 

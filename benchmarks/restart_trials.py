@@ -41,7 +41,7 @@ def trial(rng: random.Random, args: argparse.Namespace) -> tuple[str, float, str
         cmd = [sys.executable, "-m", "fullshard.cli", "run", "--nproc-per-node", "2",
                "--max-restarts", str(args.max_restarts)]
         if args.static:
-            from fullshard.distributed.environment import free_port
+            from fullshard.launch.environment import free_port
 
             cmd += ["--master-port", str(free_port())]
         cmd += [str(ROOT / "tests/distributed/restart_loop.py"), "--steps", str(STEPS),

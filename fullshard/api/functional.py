@@ -156,11 +156,6 @@ def fsdp(
     if max_pending_reductions < 1:
         raise ValueError("max_pending_reductions must be >= 1")
     world_size = dist.get_world_size()
-    # A plain script's ranks get what FSDPStrategy's get: failure records for the launcher's
-    # report, the heartbeat that detects a silent rank, death with `fullshard run`.
-    from fullshard.launch.subprocess_script import install_rank_hooks
-
-    install_rank_hooks(dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0") or 0))
     if broadcast_from is not None and (
         not isinstance(broadcast_from, int) or not 0 <= broadcast_from < world_size
     ):

@@ -77,13 +77,13 @@ from fullshard.config import (
     resolve_sharding_strategy,
 )
 from fullshard.distributed import comm
-from fullshard.distributed.environment import ClusterEnvironment
 from fullshard.distributed.mesh import (
     check_mesh_shape,
     is_device_mesh,
 )
 from fullshard.engine.module import FullyShardedModule
 from fullshard.engine.wrap import normalize_policy
+from fullshard.launch.environment import ClusterEnvironment
 
 try:  # the annotation of `device_mesh` (jsonargparse parses `[1, 2]` into the tuple)
     from torch.distributed.device_mesh import DeviceMesh
@@ -97,7 +97,7 @@ class FSDPStrategy(RankPlacement, CheckpointMethods):
     Args:
         accelerator: 'cpu', 'cuda'/'gpu' or None (CUDA when available; Fabric sets it).
         parallel_devices: the devices of this node's ranks (Fabric sets it from `devices`).
-        cluster_environment: a `fullshard.distributed.environment.ClusterEnvironment`
+        cluster_environment: a `fullshard.launch.environment.ClusterEnvironment`
             (default: detected -- torchelastic, SLURM, else the local environment).
         precision: '32-true', '16-mixed', 'bf16-mixed', '16-true', 'bf16-true' (None: fp32),
             or a precision plugin (ours, or Lightning's `FSDPPrecision`; any other plugin

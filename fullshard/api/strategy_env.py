@@ -4,7 +4,7 @@ cluster environment) and the process group's life (`setup_environment`, `teardow
 A mixin of `FSDPStrategy`, split out to keep one concern per file; it reads the attributes the
 strategy's constructor sets: `accelerator`, `parallel_devices`, `cluster_environment`,
 `device_mesh`, `_timeout`, `_num_nodes`, `_launcher`, `_process_group_backend`. The cluster
-environment may be ours (`fullshard.distributed.environment`) or Lightning's (it has
+environment may be ours (`fullshard.launch.environment`) or Lightning's (it has
 `set_world_size` / `set_global_rank` instead of `set_world_ranks`).
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fullshard.distributed.environment import ClusterEnvironment, detect_environment
+from fullshard.launch.environment import ClusterEnvironment, detect_environment
 from fullshard.launch.subprocess_script import destroy_process_group_at_exit
 
 
@@ -49,7 +49,7 @@ class RankPlacement:
 
     def _devices(self) -> list[torch.device]:
         if self.parallel_devices is None:
-            from fullshard.distributed.environment import launched_world_size
+            from fullshard.launch.environment import launched_world_size
 
             n = launched_world_size() or 1
             if self._accelerator_type() == "cuda":

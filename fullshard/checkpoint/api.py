@@ -53,6 +53,7 @@ from fullshard.checkpoint import (
     sharded_files,
 )
 from fullshard.checkpoint.objects import Filter
+from fullshard.checkpoint.rendezvous import rendezvous
 from fullshard.config import check_bool
 from fullshard.distributed import comm
 
@@ -410,4 +411,4 @@ def _guard(group: comm.Group | None, name: str, timeout: float) -> None:
         )
 
     warn_after = min(60.0, timeout / 2)
-    comm.rendezvous(name, timeout=timeout, warn_after=warn_after, on_slow=slow)
+    rendezvous(name, timeout=timeout, warn_after=warn_after, on_slow=slow)

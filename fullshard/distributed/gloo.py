@@ -1,41 +1,32 @@
-"""Gloo's all-gather, reduce-scatter and small all-reduce as point-to-point exchanges (for
-comm.py).
-
-comm.py decides which algorithm runs, counts it (every counter is added there, none here)
-and is the only caller of torch.distributed collectives; this module holds the algorithms it
-runs on gloo, which use only the point-to-point `isend` / `irecv`, and the divergence header.
+"""Gloo's all-gather, reduce-scatter and small all-reduce as point-to-point exchanges, and
+the divergence header. comm.py decides which algorithm runs, counts it and makes the handle;
+this module only posts `isend` / `irecv` and says what to do once they are complete.
 
 [Note: gloo's all-gather and reduce-scatter]
 On gloo (CPU) we do not call the all-gather / reduce-scatter collectives: gloo implements
 reduce-scatter as an all-reduce plus a chunk (twice the traffic) and its all-gather peaks at
-~8 MB per call, so both are several times slower than the network allows (measured on this
-2-core machine at 32 MB, 2 ranks: all_gather 47 ms, reduce_scatter 61 ms, all_reduce 25 ms;
-at 100 KB: all_gather 0.54 ms against 0.25 ms for one exchange of messages).
+~8 MB per call (measured, 32 MB on 2 ranks: all_gather 47 ms, reduce_scatter 61 ms,
+all_reduce 25 ms; 100 KB: all_gather 0.54 ms against 0.25 ms for one exchange of messages).
 Instead each rank exchanges chunks directly with every peer (`isend`/`irecv`, all posted at
-once, matched by a per-group tag sequence): an all-gather sends our shard to each peer and
-receives theirs into place; a reduce-scatter sends peer j its chunk j and sums the N chunks of
-ours in rank order (so every rank's sum has the same rounding). Each rank sends exactly
-B·(N−1)/N bytes -- the ring optimum -- and the same 32 MB took ~14 ms either way. Large
-exchanges work piece by piece: an all-gather lands each parameter's rows in
-place, and a reduce-scatter sends each peer its rows straight from every unpacked gradient (no
-packed copy, no padding on the wire: wire bytes count what is really sent); only the pieces
-too small to be worth a message (`SMALL_PIECE_BYTES`: biases, norms) go together, copied.
-With many ranks this is N−1 messages per collective instead of a ring's pipeline; NCCL keeps
-its own collectives, which already are optimal. Each gloo message has a fixed cost
-(~0.1-0.2 ms here, more inside a busy step), so small exchanges (`packed=True`) send everything
-as one message per peer -- every piece of a bucket, and the buckets of several small units
-the engine issues together -- at the price of one copy of what is exchanged.
+once): an all-gather sends our shard to each peer and receives theirs into place; a
+reduce-scatter sends peer j its chunk j and sums the N chunks of ours in rank order (the same
+rounding on every rank). Each rank sends B·(N−1)/N bytes, the ring optimum (the same 32 MB:
+~14 ms either way). Large exchanges go piece by piece: an all-gather lands each parameter's
+rows in place, a reduce-scatter sends each peer its rows straight from every unpacked
+gradient (no copy, no padding on the wire); only pieces too small to be worth a message
+(`SMALL_PIECE_BYTES`: biases, norms) go together, copied. NCCL keeps its own collectives,
+already optimal. Each gloo message has a fixed cost (~0.1-0.2 ms), so small exchanges
+(`packed=True`) send everything as one message per peer (every piece of a bucket, and the
+buckets of several small units issued together) at the price of one copy.
 
 [Note: receives are posted first]
 Gloo's TCP transport moves a message only once both ends have posted it: posting a receive
-sends the peer a small "ready to receive" notice, and the peer's data follows when that
-notice arrives. Notices and data share the pair's one TCP connection and its one send queue,
-in posting order. Posting a send first puts its data (megabytes) in that queue ahead of our
-receive notice of the same exchange, so the peer cannot start sending until our data has
-crossed the link: on a link slower than the CPU (300 Mbit/s between hosts) one direction
-idled for ~100 ms per large exchange, and whichever rank ran behind made the other's data
-wait. So every exchange posts all its receives, then its sends (`_Posts`); the matching of
-messages is unchanged (per peer and tag, receives and sends each keep their order).
+sends the peer a "ready to receive" notice, which shares the pair's one connection and send
+queue with data, in posting order. Posting a send first puts its megabytes ahead of our
+receive notice, so the peer cannot start sending until our data has crossed the link (at
+300 Mbit/s between hosts one direction idled ~100 ms per large exchange). So every exchange
+posts all its receives, then its sends (`_Posts`); matching (per peer and tag, in order) is
+unchanged.
 
 [Note: ranks that run different units]
 Every exchange is matched by its position in the group's sequence, so all ranks must issue
@@ -61,25 +52,100 @@ than the buffer but aborts the process on a longer one, and a diverged peer may 
 Header bytes are not in `comm_stats()` (they are counted apart: `header_stats()`). What it
 cannot see: a rank that stops communicating altogether (the others then wait until the process
 group's timeout), and the NCCL path (no headers: collectives are matched by NCCL).
-Identifiers, tags, the header's bytes and the error's wording live in divergence.py.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from fullshard.distributed.comm_handles import CommHandle, Group, _nbytes
-from fullshard.distributed.divergence import (
-    RankDivergenceError,
-    divergence_message,
-    header_bytes,
-    parse_header,
-)
-from fullshard.distributed.divergence import tag as tag_of
+if TYPE_CHECKING:
+    from fullshard.distributed.mesh import Group
+
+
+# The identifiers, labels and header bytes of exchanges, and the error that names ranks
+# running different units: see [Note: ranks that run different units].
+
+class RankDivergenceError(RuntimeError):
+    """Ranks issued different collectives at the same position: they ran different units."""
+
+
+_LABELS: dict[int, str] = {}
+
+
+def exchange_id(kind: str, label: str) -> int:
+    """The identifier of a `kind` exchange labelled `label`, the same on every rank."""
+    ident = zlib.crc32(f"{kind}\0{label}".encode())
+    if ident not in _LABELS:
+        _LABELS[ident] = f"the {kind} of {label}" if label else f"an unlabelled {kind}"
+    return ident
+
+
+def register_label(label: str) -> None:
+    """Make `label` nameable in divergence errors even before this rank used it."""
+    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        exchange_id(kind, label)
+
+
+def tag_of(seq: int, ident: int, slot: int) -> int:
+    """Point-to-point tag of piece `slot` of collective `seq` whose kind + label hash to
+    `ident` (the header: ident 0, slot 0). A mix below 2**31; equal tags are harmless (gloo
+    matches them in posting order, the same on every rank that runs the same units)."""
+    return (seq * 0x9E3779B1 + ident * 0x85EBCA77 + slot * 0xC2B2AE3D) & 0x7FFFFFFF
+
+
+def divergence_message(seq: int, ranks: Sequence[int], idents: Sequence[Sequence[int]]) -> str:
+    """The error for collective `seq` of the group of global `ranks`, whose members sent the
+    headers with identifiers `idents` (in group-rank order; several for an exchange that
+    carries several collectives, none for a header that could not be read)."""
+    by_id: dict[tuple[int, ...], list[int]] = {}
+    for ids, g in zip(idents, ranks):
+        by_id.setdefault(tuple(ids), []).append(g)
+    what = "; ".join(
+        f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: "
+        + (" + ".join(_LABELS.get(i, f"an exchange with id {i:#x}") for i in ids)
+           or "something else (an unreadable header)")
+        for ids, rs in by_id.items()
+    )
+    return (
+        f"Ranks ran different units: collective #{seq} on the process group of ranks "
+        f"{list(ranks)} is {what}. Every rank must run the same wrapped units in the same "
+        f"order each step (the engine gathers and reduces each unit collectively); a "
+        f"per-rank random LayerDrop, an expert skipped on some ranks only or a branch on "
+        f"the data diverges. Draw such decisions from a generator seeded the same on every "
+        f"rank (or agree on them with a collective), or run the unit on every rank and "
+        f"discard its output. The process group is unusable after this error: restart."
+    )
+
+
+MAX_BATCH = 256
+"""Most collectives one exchange carries together (bounds the header's size)."""
+
+
+def header_size(n: int) -> int:
+    """Bytes of the header of an exchange of `n` collectives: int64 sequence number, n, and
+    the n identifiers (crc32 of kind + label). A multiple of 8, so the data after it is
+    aligned for every dtype."""
+    return 8 * (2 + n)
+
+
+HEADER_MAX = header_size(MAX_BATCH)
+
+
+def header_bytes(seq: int, idents: Sequence[int]) -> torch.Tensor:
+    return torch.tensor([seq, len(idents), *idents], dtype=torch.int64).view(torch.uint8)
+
+
+def parse_header(row: torch.Tensor) -> tuple[int, ...]:
+    """The identifiers in a peer's header (none if it is not one we can read)."""
+    n = int(row[:16].view(torch.int64)[1])
+    if not 0 < n <= MAX_BATCH or header_size(n) > row.numel():
+        return ()
+    return tuple(row[16 : header_size(n)].view(torch.int64).tolist())
 
 
 def _row(r: int, rank: int) -> int:
@@ -134,16 +200,8 @@ class Header:
 
     __slots__ = ("group", "seq", "idents", "rows", "works")
 
-    def __init__(
-        self,
-        group: Group,
-        seq: int,
-        idents: Sequence[int],
-        *,
-        capacity: int = 0,
-        rows: torch.Tensor | None = None,
-        works: list[Any] | None = None,
-    ) -> None:
+    def __init__(self, group: Group, seq: int, idents: Sequence[int], *, capacity: int = 0,
+                 rows: torch.Tensor | None = None, works: list[Any] | None = None) -> None:
         self.group, self.seq, self.idents = group, seq, tuple(idents)
         if rows is None:
             rows = torch.empty(group.size - 1, capacity, dtype=torch.uint8)
@@ -168,7 +226,7 @@ def _message(prefix: torch.Tensor | None, parts: Sequence[torch.Tensor]) -> torc
     """One message: the header bytes `prefix` (if any), then `parts` (one dtype) back to back
     -- the copy that packing costs."""
     head = 0 if prefix is None else prefix.numel()
-    nbytes = sum(_nbytes(x) for x in parts)
+    nbytes = sum(x.nbytes for x in parts)
     device = parts[0].device if parts else torch.device("cpu")
     out = torch.empty(head + nbytes, dtype=torch.uint8, device=device)
     if prefix is not None:
@@ -201,13 +259,18 @@ class _Staged:
         return row[self.head : self.head + nbytes].view(dtype)
 
 
+Exchange = tuple[list[Any], Callable[[], None] | None, tuple, Header | None]
+"""What an exchange hands comm.py, which makes a `CommHandle` of it: its works, what to do
+once they are complete, what they read and write (kept alive until then), its header."""
+
+
 def _handle(works: list[Any], staged: _Staged | None, own: Header | None,
-            on_done: Callable[[], None] | None, refs: tuple) -> CommHandle:
+            on_done: Callable[[], None] | None, refs: tuple) -> Exchange:
     if staged is not None and staged.fold:
         header = Header(staged.group, staged.seq, staged.idents, rows=staged.rows, works=works)
         # The folded header waits for the messages itself (a gloo Work must be waited once).
-        return CommHandle([], on_done=on_done, refs=refs, header=header)
-    return CommHandle(works, on_done=on_done, refs=refs, header=own)
+        return [], on_done, refs, header
+    return works, on_done, refs, own
 
 
 def _sum_into(out: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
@@ -234,16 +297,9 @@ def _staged_pieces(sizes: Sequence[int], element_size: int, packed: bool) -> Seq
     return small if len(small) > 1 else frozenset()
 
 
-def all_gather(
-    items: Sequence[tuple[torch.Tensor, torch.Tensor, Sequence[int]]],
-    group: Group,
-    seq: int,
-    idents: Sequence[int],
-    header: bool,
-    *,
-    packed: bool,
-    capacity: int,
-) -> CommHandle:
+def all_gather(items: Sequence[tuple[torch.Tensor, torch.Tensor, Sequence[int]]], group: Group,
+               seq: int, idents: Sequence[int], header: bool, *, packed: bool, capacity: int
+               ) -> Exchange:
     """All-gathers `(output, input, pieces)` into segment-major outputs: piece j of every rank,
     in rank order, then piece j+1 (comm's `all_gather`).
 
@@ -274,7 +330,7 @@ def all_gather(
     staged, send, place = None, None, None
     if regions:
         parts = [input.reshape(-1) for _, input, _ in items] if packed else small
-        nbytes, dtype = sum(_nbytes(p) for p in parts), parts[0].dtype
+        nbytes, dtype = sum(p.nbytes for p in parts), parts[0].dtype
         staged = _Staged(group, seq, idents, fold=header and packed, capacity=capacity,
                          nbytes=nbytes, device=parts[0].device,
                          slot=1 if packed else len(items[0][2]) + 1)
@@ -311,15 +367,9 @@ def segments_plan(
 
 def reduce_scatter(
     items: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor], Sequence[int], str | None]],
-    plans: Sequence[list[tuple[torch.Tensor, int, list[int]]]],
-    group: Group,
-    seq: int,
-    idents: Sequence[int],
-    header: bool,
-    *,
-    packed: bool,
-    capacity: int,
-) -> CommHandle:
+    plans: Sequence[list[tuple[torch.Tensor, int, list[int]]]], group: Group, seq: int,
+    idents: Sequence[int], header: bool, *, packed: bool, capacity: int,
+) -> Exchange:
     """Reduce-scatters of unpacked inputs (comm's `reduce_scatter_batch`; `plans`: their
     `segments_plan`): peer j gets its real elements of every piece, never padding.
 
@@ -395,15 +445,8 @@ def reduce_scatter(
     return _handle(posts.post(), staged, own, sum_in_rank_order, refs)
 
 
-def all_reduce(
-    tensors: Sequence[torch.Tensor],
-    group: Group,
-    seq: int,
-    idents: Sequence[int],
-    header: bool,
-    *,
-    capacity: int,
-) -> CommHandle:
+def all_reduce(tensors: Sequence[torch.Tensor], group: Group, seq: int, idents: Sequence[int],
+               header: bool, *, capacity: int) -> Exchange:
     """Small sum all-reduces (comm's `_packed_sum`) in one exchange: every tensor, one after
     the other (after the header, folded in if `header`), goes whole to each peer as one
     message; each peer's message lands in a staging row and, once all are in (`wait()`),
@@ -413,7 +456,7 @@ def all_reduce(
     2(N-1)/N times (equal on two ranks)."""
     size, rank = group.size, group.rank
     flats = [t.view(-1) for t in tensors]
-    dtype, nbytes = flats[0].dtype, sum(_nbytes(x) for x in flats)
+    dtype, nbytes = flats[0].dtype, sum(x.nbytes for x in flats)
     staged = _Staged(group, seq, idents, fold=header, capacity=capacity, nbytes=nbytes,
                      device=flats[0].device, slot=1)
     # Always a copy: besides being what is sent, it is our operand of the sum, which

@@ -1,4 +1,5 @@
-"""The (replicate, shard) mesh: which ranks split parameters and which hold copies.
+"""Process groups (`Group`) and the (replicate, shard) mesh: which ranks split parameters and
+which hold copies.
 
 Parameters are split along the *shard* axis (all-gather / reduce-scatter run there) and
 copied along the *replicate* axis (the reduced shard is all-reduced there). Every strategy is a
@@ -10,13 +11,33 @@ consecutive ranks (one node, when S is the ranks per node), as `init_device_mesh
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fullshard.config import ShardingPlan
-from fullshard.distributed.comm import Group
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group together with the facts about it that the hot path needs."""
+
+    pg: Any
+    """The `ProcessGroup`, or None for the default (world) group."""
+    size: int
+    rank: int
+    """This process's rank inside the group."""
+    ranks: tuple[int, ...]
+    """Global ranks of the members, in group-rank order."""
+    backend: str
+
+    @classmethod
+    def from_process_group(cls, pg: Any = None) -> Group:
+        ranks = tuple(dist.get_process_group_ranks(pg or dist.group.WORLD))
+        backend = str(dist.get_backend(pg)).lower()
+        return cls(pg, dist.get_world_size(pg), dist.get_rank(pg), ranks, backend)
 
 
 @dataclass(frozen=True)
@@ -24,15 +45,16 @@ class ShardMesh:
     shard: Group
     replicate: Group
     world: Group
+    data_parallel_size: int = field(init=False)
+    """Ranks that see different data (the world); gradients are averaged over all of them. A
+    plain attribute: the step reads it for every reduction."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "data_parallel_size", self.world.size)
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.replicate.size, self.shard.size)
-
-    @property
-    def data_parallel_size(self) -> int:
-        """Ranks that see different data; gradients are averaged over all of them."""
-        return self.world.size
 
 
 def _default_hybrid_shape(world_size: int) -> tuple[int, int]:

@@ -157,10 +157,6 @@ class Bucket:
     def is_gathered(self) -> bool:
         return self.unsharded is not None
 
-    @property
-    def is_gathering(self) -> bool:
-        return self._gather_handle is not None
-
     def _gather_input(self) -> torch.Tensor:
         """The shards as the all-gather sends them: on the compute device, in compute dtype.
         Without offload or mixed precision this is `shard_flat` itself (no copy)."""

@@ -273,10 +273,6 @@ class Unit:
         for b in self.buckets:
             b.abandon_gather()
 
-    @property
-    def trainable_buckets(self) -> list[Bucket]:
-        return [b for b, _ in self.routing]
-
     def refresh_requires_grad(self) -> None:
         """Follow `requires_grad` changed since the last step (cheap when nothing changed)."""
         flags = tuple(p.param.requires_grad for p in self.params)

@@ -24,8 +24,8 @@ store's answers, since a store op to a stopped host can block with no timeout:
   peer does not wait for the silence bound.
 
 Only counters that have moved are judged: a rank that has not started its heartbeat yet (it
-is still loading data before its first `fsdp()`) is not called silent. At a normal end a rank
-marks `done/<rank>` before its heartbeat stops, so a peer that exits early is not silent
+is still loading data before it creates its process group) is not called silent. At a normal
+end a rank marks `done/<rank>` before its heartbeat stops, so a peer that exits early is not silent
 either; a store that refuses connections belongs to a process that ended, which its launcher
 reports: the thread then just stops.
 
@@ -35,7 +35,7 @@ without it a new client of the TCPStore below the process group's prefixes; a st
 offers neither (one written in Python) leaves detection off, and every rank says so once
 (a `RuntimeWarning` naming why and what is lost).
 
-Started by `install_rank_hooks` (fullshard's process-group init and `fsdp()`); at exit the
+Started by `install_rank_hooks` (`fullshard run`'s workers, `FSDPStrategy`); at exit the
 rank is marked done first (`_at_exit`), and `stop_heartbeat` (after fullshard's exit barrier,
 or from `FSDPStrategy.teardown`) stops and joins both threads.
 

@@ -1,8 +1,8 @@
 """The launchers' heartbeat: on several nodes, a node that stops answering ends the job within
 a bound even where no rank's heartbeat runs.
 
-The ranks' heartbeat (`heartbeat.py`) starts only once a rank has its process group and has
-reached `fsdp()`. Under `fullshard run --max-restarts K` a cut link hangs between attempts:
+The ranks' heartbeat (`heartbeat.py`) starts only once a rank has its process group. Under
+`fullshard run --max-restarts K` a cut link hangs between attempts:
 the ranks of attempt 0 fail within the bound, but then torchelastic's agent on the cut-off node
 blocks in its rendezvous' store ops (600 s), and the restarted ranks of the other nodes block
 in `init_process_group`, waiting for peers that never come (gloo's 30 minutes). The agents
@@ -63,7 +63,7 @@ class _NodeHeartbeat(Heartbeat):
 
 def kill_children() -> None:
     """SIGKILL this process's children and their sessions (Linux; elsewhere nothing: a worker
-    past its first `fsdp()` watches its launcher itself)."""
+    watches its launcher itself, `worker_entry.py`)."""
     me = os.getpid()
     try:
         pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]

@@ -39,8 +39,8 @@ from typing import Any, ClassVar
 import torch.distributed as dist
 
 from fullshard.distributed.comm import Group, barrier
-from fullshard.distributed.environment import ClusterEnvironment
 from fullshard.launch import failure_board, failure_records
+from fullshard.launch.environment import ClusterEnvironment
 from fullshard.launch.heartbeat import start_heartbeat, stop_heartbeat
 
 _PARENT_PID_VAR = "FULLSHARD_LAUNCHER_PID"
@@ -67,13 +67,23 @@ def describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
-def install_rank_hooks(global_rank: int, local_rank: int) -> None:
+def install_rank_hooks(global_rank: int | None = None, local_rank: int | None = None) -> None:
     """Name this rank when it dies of an uncaught exception; in a child of our launcher, also
-    exit as soon as the launching process (rank 0, or `fullshard run`) is gone; start the
-    heartbeat (`heartbeat.py`). Call after the process group exists. Idempotent."""
+    exit as soon as the launching process (rank 0, or `fullshard run`) is gone; open the
+    failure board (`failure_board.py`) and start the heartbeat (`heartbeat.py`), which live in
+    the process group's store: at once if the group exists, else as soon as it does.
+    Idempotent. The ranks default to the process group's and `LOCAL_RANK`.
+
+    `fullshard run` (`worker_entry.py`) and `FSDPStrategy` install these in their ranks;
+    `fsdp()` does not. A script started any other way (plain torchrun, SLURM) may call this
+    after `init_process_group` to get the heartbeat and failure records."""
     global _HOOKED_RANK
     if _HOOKED_RANK is not None:
         return
+    if global_rank is None:
+        global_rank = dist.get_rank()
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
     _HOOKED_RANK = (global_rank, local_rank)
     previous = sys.excepthook
 
@@ -110,8 +120,23 @@ def install_rank_hooks(global_rank: int, local_rank: int) -> None:
     agent = os.environ.get(AGENT_PID_VAR)
     if agent and agent.isdigit() and int(agent) == os.getppid():
         _die_with_agent(int(agent), global_rank)
+    if dist.is_available() and dist.is_initialized():
+        _open_board_and_beat(global_rank, local_rank)
+    else:  # `fullshard run`'s worker, before its script creates the process group
+        WatchThread(_when_group_exists, global_rank, local_rank, name="fullshard-group-watch"
+                    ).start()
+
+
+def _open_board_and_beat(global_rank: int, local_rank: int) -> None:
     failure_board.open_board()
     start_heartbeat(global_rank, local_rank)
+
+
+def _when_group_exists(global_rank: int, local_rank: int, stopped: threading.Event) -> None:
+    while not stopped.wait(_POLL_S):
+        if dist.is_available() and dist.is_initialized():
+            _open_board_and_beat(global_rank, local_rank)
+            return
 
 
 class WatchThread(threading.Thread):

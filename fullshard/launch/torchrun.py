@@ -87,9 +87,9 @@ def torchrun_argv(
     else:
         argv += [f"--nnodes={nnodes}", f"--node-rank={node_rank}",
                  f"--master-addr={master_addr}", f"--master-port={master_port}"]
-    if module:
-        argv.append("--module")
-    return [*argv, script, *script_args]
+    # Each worker installs the rank's hooks first, then runs the script (worker_entry.py).
+    entry = ["--module", "fullshard.launch.worker_entry", *(["-m"] if module else [])]
+    return [*argv, *entry, script, *script_args]
 
 
 def run_with_torchrun(argv: Sequence[str], *, env: Mapping[str, str] | None = None) -> int:

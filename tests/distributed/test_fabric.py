@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fullshard.distributed.environment import free_port
+from fullshard.launch.environment import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("fabric_loop.py")

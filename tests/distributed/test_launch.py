@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fullshard.cli import main as cli_main
-from fullshard.distributed.environment import (
+from fullshard.launch.environment import (
     LocalEnvironment,
     SLURMEnvironment,
     TorchElasticEnvironment,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fullshard.distributed.environment import free_port
+from fullshard.launch.environment import free_port
 from tests.distributed.test_fabric import FULLSHARD, ROOT, child_env
 from tests.distributed.test_launch import _gone
 

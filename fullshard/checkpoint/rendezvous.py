@@ -1,8 +1,5 @@
-"""A rendezvous of every rank through the process group's key-value store (no collective).
-
-comm.py re-exports `rendezvous`; it sends nothing on a process group, so it is not counted
-in `comm_stats()`.
-"""
+"""A rendezvous of every rank through the process group's key-value store (no collective),
+which guards the collective checkpoint calls against being made on one rank only."""
 
 from __future__ import annotations
 
