@@ -397,7 +397,7 @@ class Runtime:
         self._finish_pending(keep=self.max_pending_reductions)
 
     def frozen_backward_done(self, unit: Unit) -> None:
-        """`BackwardDone.backward` of a frozen unit: released after its last node (ZeRO-3)."""
+        """`BackwardDone.backward` of a frozen unit: may release it after its last node."""
         if unit.node_done(torch._C._current_graph_task_id()):
             self._reshard(unit, Reshard.AFTER_BACKWARD)
 

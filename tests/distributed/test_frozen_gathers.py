@@ -96,7 +96,7 @@ def _sgd_by_hand(model: nn.Module) -> None:
 
 
 def _train(strategy: str, keep: bool | None, unfreeze_at: tuple[int, int] | None = None,
-           by_hand: bool = False) -> dict:
+           by_hand: bool = False, **fsdp_kwargs: object) -> dict:
     """STEPS optimizer steps of MICRO micro-batches; `unfreeze_at` (step, micro-batch):
     make blocks.1.base trainable before that micro-batch (model and reference alike)."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -104,7 +104,7 @@ def _train(strategy: str, keep: bool | None, unfreeze_at: tuple[int, int] | None
     ref = TinyLoRA()
     model = fullshard.fsdp(copy.deepcopy(ref), device="cpu", sharding_strategy=strategy,
                            bucketing_strategy="BLOCK", auto_wrap_policy={FrozenBase, LoRABlock},
-                           keep_frozen_gathered=keep)
+                           keep_frozen_gathered=keep, **fsdp_kwargs)
     runtime = model.fullshard_runtime
     counts = _count_gathers(model)
     # every parameter in the optimizers: SGD skips those without a gradient (frozen ones)
@@ -238,6 +238,23 @@ def test_unfrozen_base_is_released_and_trains(group2):
     assert [s["reduce_scatter"][0] for s in steps] == [
         MICRO * trainable_units, 2 * trainable_units + 2 * (trainable_units + 1),
         MICRO * (trainable_units + 1)]
+
+
+def test_kept_through_activation_checkpointing(group2):
+    """Each LoRA block recomputed in backward (what fine-tuning scripts switch on): the base
+    inside it is recomputed from its kept copy, still gathered once per optimizer step."""
+    got = group2.run(_train, "FULL_SHARD", True,
+                     activation_checkpointing_policy={LoRABlock})[0]
+    for step in got["steps"]:
+        assert [step["gathers"][name] for name in BASES] == [1] * len(BASES), step
+
+
+def test_strategy_checks_the_keyword():
+    lightning_strategy = pytest.importorskip("fullshard.api.lightning_strategy")
+    strategy = lightning_strategy.FSDPStrategy(keep_frozen_gathered=False)
+    assert strategy._engine_kwargs["keep_frozen_gathered"] is False
+    with pytest.raises(TypeError, match=r"FSDPStrategy\(keep_frozen_gathered=...\).*int: 1"):
+        lightning_strategy.FSDPStrategy(keep_frozen_gathered=1)
 
 
 def _auto_and_errors() -> dict:
