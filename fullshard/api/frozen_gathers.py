@@ -10,8 +10,9 @@ tell it, once at wrap, from the user's option:
   the CPU the host's available memory (`MemAvailable`) shared by the ranks on this host
   (`LOCAL_WORLD_SIZE`, else all ranks). The quarter leaves the rest for activations, the
   trainable units' gathers and the allocator's slack. Off when nothing is frozen at wrap
-  (units frozen later are then not kept: pass True for that) or the free memory cannot be
-  read. The ranks agree (one all-reduce of the verdict, MIN), so all of them gather alike.
+  (units frozen later are then not kept: pass True for that), when nothing is trainable
+  (a frozen teacher: no optimizer step would release them) or when the free memory cannot
+  be read. The ranks agree (one all-reduce of the verdict, MIN), so all of them gather alike.
 
 The verdict and why are `model.fullshard_runtime.kept_frozen.enabled` / `.reason`, and auto
 logs it in one line on the `fullshard` logger (INFO) on rank 0.
@@ -102,6 +103,10 @@ def _decide(runtime: Runtime, option: bool | None, device: torch.device) -> None
     need = kept.frozen_unsharded_bytes()
     if need == 0:
         kept.enable(False, "off (auto): no unit has all its parameters frozen at wrap")
+        return
+    if not any(u.trainable_params for u in runtime.units):
+        # e.g. a teacher sharded to save memory: no optimizer step would ever release them
+        kept.enable(False, "off (auto): nothing is trainable at wrap (no optimizer step)")
         return
     free, source = _free_bytes(device, runtime.mesh.world.size)
     fits = free is not None and need <= free // BUDGET_FRACTION

@@ -260,10 +260,14 @@ def test_strategy_checks_the_keyword():
 def _auto_and_errors() -> dict:
     model = fullshard.fsdp(TinyLoRA(), device="cpu", auto_wrap_policy={FrozenBase, LoRABlock})
     trainable = fullshard.fsdp(nn.Sequential(nn.Linear(2, 2)), device="cpu")
+    teacher = fullshard.fsdp(TinyLoRA().requires_grad_(False), device="cpu",
+                             auto_wrap_policy={FrozenBase, LoRABlock})
     with pytest.raises(TypeError, match="keep_frozen_gathered"):
         fullshard.fsdp(TinyLoRA(), device="cpu", keep_frozen_gathered="yes")
     kept, plain = model.fullshard_runtime.kept_frozen, trainable.fullshard_runtime.kept_frozen
-    return {"auto": (kept.enabled, kept.reason), "none": (plain.enabled, plain.reason)}
+    teacher_kept = teacher.fullshard_runtime.kept_frozen
+    return {"auto": (kept.enabled, kept.reason), "none": (plain.enabled, plain.reason),
+            "teacher": (teacher_kept.enabled, teacher_kept.reason)}
 
 
 def test_auto_decides_and_says_why(group2):
@@ -272,3 +276,5 @@ def test_auto_decides_and_says_why(group2):
         assert r["auto"][0] is True and r["auto"][1].startswith("on (auto)"), r
         assert "budget 1/4 of available host memory" in r["auto"][1], r
         assert r["none"] == (False, "off (auto): no unit has all its parameters frozen at wrap")
+        assert r["teacher"] == (False, "off (auto): nothing is trainable at wrap (no optimizer "
+                                       "step)")
