@@ -74,8 +74,11 @@ def decide_keep_frozen_gathered(
     runtime: Runtime, option: bool | None, device: torch.device
 ) -> None:
     """Resolve `option` for the model `runtime` drives and hand the engine its bool."""
-    _decide(runtime, option, device)
-    if runtime.kept_frozen.enabled:
+    kept = runtime.kept_frozen
+    kept.enable(*_decide(runtime, option, device))
+    if option is None and kept.frozen_unsharded_bytes() and runtime.mesh.world.rank == 0:
+        _LOG.info("fullshard keep_frozen_gathered %s", kept.reason)
+    if kept.enabled:
         _release_after_optimizer_steps(runtime)
 
 
@@ -95,28 +98,24 @@ def _release_after_optimizer_steps(runtime: Runtime) -> None:
     weakref.finalize(runtime, register_optimizer_step_post_hook(release).remove)
 
 
-def _decide(runtime: Runtime, option: bool | None, device: torch.device) -> None:
-    kept = runtime.kept_frozen
+def _decide(runtime: Runtime, option: bool | None, device: torch.device) -> tuple[bool, str]:
+    """(on, why) for `option`; auto as the module docstring says."""
     if option is not None:
-        kept.enable(option, f"{'on' if option else 'off'}: keep_frozen_gathered={option}")
-        return
-    need = kept.frozen_unsharded_bytes()
+        return option, f"{'on' if option else 'off'}: keep_frozen_gathered={option}"
+    need = runtime.kept_frozen.frozen_unsharded_bytes()
     if need == 0:
-        kept.enable(False, "off (auto): no unit has all its parameters frozen at wrap")
-        return
+        return False, "off (auto): no unit has all its parameters frozen at wrap"
     if not any(u.trainable_params for u in runtime.units):
         # e.g. a teacher sharded to save memory: no optimizer step would ever release them
-        kept.enable(False, "off (auto): nothing is trainable at wrap (no optimizer step)")
-        return
+        return False, "off (auto): nothing is trainable at wrap (no optimizer step)"
     free, source = _free_bytes(device, runtime.mesh.world.size)
     fits = free is not None and need <= free // BUDGET_FRACTION
     verdict = torch.tensor([int(fits)], dtype=torch.int64, device=device)
     comm.all_reduce(verdict, runtime.mesh.world, op=torch.distributed.ReduceOp.MIN)
     agreed = bool(verdict.item())
     budget = "unknown" if free is None else _mib(free // BUDGET_FRACTION)
-    why = (f"{'on' if agreed else 'off'} (auto): frozen units need {_mib(need)} gathered, "
-           f"budget 1/{BUDGET_FRACTION} of {source} = {budget} on this rank"
-           + ("" if agreed == fits else ", but another rank's does not fit"))
-    kept.enable(agreed, why)
-    if runtime.mesh.world.rank == 0:
-        _LOG.info("fullshard keep_frozen_gathered %s", why)
+    return agreed, (
+        f"{'on' if agreed else 'off'} (auto): frozen units need {_mib(need)} gathered, "
+        f"budget 1/{BUDGET_FRACTION} of {source} = {budget} on this rank"
+        + ("" if agreed == fits else ", but another rank's does not fit")
+    )
