@@ -8,9 +8,11 @@ for 3 optimizer steps, under FULL_SHARD and SHARD_GRAD_OP, with the option on an
 - gathers per frozen unit per optimizer step: 1 on; 2 per micro-batch (ZeRO-3: forward and
   backward) or 1 per micro-batch (ZeRO-2) off -- counted per bucket and in `comm_stats`;
 - frozen parameters are never reduced: reduce-scatters are the trainable buckets' only;
+- the same under HYBRID_SHARD, NO_SHARD and activation checkpointing;
 - losses every micro-batch, the trainable gradients and parameters every step equal one
   process training the unwrapped model (fp32, rtol=1e-5, atol=1e-6);
-- a base unfrozen between steps is released, gathered by the strategy's rule and trained;
+- a base unfrozen between micro-batches is released there, then follows the strategy's rule,
+  is reduced and trains;
 - release points: an optimizer step (its post-hook) or, for an update made by hand, the next
   forward (the trainable shards were written); `reset_step`;
 - unsharded memory balances: at the end of backward exactly the kept frozen units are held,
@@ -132,7 +134,9 @@ def _train(strategy: str, keep: bool | None, unfreeze_at: tuple[int, int] | None
             torch.testing.assert_close(global_loss / world, ref_loss.detach(), rtol=1e-5,
                                        atol=1e-6)
         stats = fullshard.comm_stats()
-        kept_bytes = runtime.kept_frozen.frozen_unsharded_bytes() if keep else 0
+        # (a shard axis of size 1 keeps no copy: the shards are the data, counted nowhere)
+        copies = keep and runtime.mesh.shard.size > 1
+        kept_bytes = runtime.kept_frozen.frozen_unsharded_bytes() if copies else 0
         memory = fullshard.memory_stats()
         # at the end of backward exactly the kept frozen units are held (by this rule)
         assert memory["unsharded_param_bytes"] == kept_bytes, (memory, kept_bytes)
@@ -245,6 +249,17 @@ def test_kept_through_activation_checkpointing(group2):
     inside it is recomputed from its kept copy, still gathered once per optimizer step."""
     got = group2.run(_train, "FULL_SHARD", True,
                      activation_checkpointing_policy={LoRABlock})[0]
+    for step in got["steps"]:
+        assert [step["gathers"][name] for name in BASES] == [1] * len(BASES), step
+
+
+@pytest.mark.parametrize(("strategy", "mesh"),
+                         [("HYBRID_SHARD", (1, 2)), ("HYBRID_SHARD", (2, 1)), ("NO_SHARD", None)])
+def test_kept_under_hybrid_and_no_shard(group2, strategy, mesh):
+    """The same rule where gradients are also all-reduced over a replicate axis, and where
+    the shard axis has size 1 (nothing to gather: the "gather" is the shards themselves)."""
+    kwargs = {} if mesh is None else {"device_mesh": mesh}
+    got = group2.run(_train, strategy, True, **kwargs)[0]
     for step in got["steps"]:
         assert [step["gathers"][name] for name in BASES] == [1] * len(BASES), step
 
