@@ -6,7 +6,8 @@ writes its shards during training: its gathered copy stays valid. Under gradient
 accumulation without `no_sync()` (each micro-batch reduces its gradients; what a loop that
 calls backward N times and then steps does) the usual rule would release it after each
 micro-batch's forward and, under ZeRO-3, gather it again for backward (its inputs' gradients
-need its weights): 2 gathers per micro-batch, N per optimizer step under ZeRO-2. With
+need its weights): per optimizer step of N micro-batches, 2N gathers under ZeRO-3, N under
+ZeRO-2. With
 `keep_frozen_gathered` on (FSDP2's `set_reshard_after_backward(False)`, made automatic for
 frozen units) such a unit is gathered once and kept until a release point:
 
@@ -25,8 +26,10 @@ frozen units) such a unit is gathered once and kept until a release point:
 Frozen parameters are never reduced either way (a unit with nothing trainable has no
 `GatheredParams` node; its buckets are not in `Unit.routing`). Memory: every kept unit's
 unsharded buffer, counted by `bucket.track` as any gathered buffer, for the whole optimizer
-step; whether that fits is decided above the engine (api/frozen_gathers.py), which hands
-down a plain bool.
+step (with a shard axis of size 1 only the mixed-precision copy, if any: the shards are the
+data); whether that fits is decided above the engine (api/frozen_gathers.py), which hands
+down a plain bool. A forward without grad (evaluation) keeps them too: they are as valid
+for the next training forward.
 """
 
 from __future__ import annotations
