@@ -67,7 +67,7 @@ def _free_bytes(device: torch.device, world_size: int) -> tuple[int | None, str]
 
 
 def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
 def decide_keep_frozen_gathered(
