@@ -120,7 +120,7 @@ def fsdp(
             at a time, instead of its `reset_parameters()` (see `fullshard.engine.materialize`).
         keep_frozen_gathered: units whose parameters are all frozen (a LoRA base) stay
             gathered from their first forward to the next optimizer step, instead of being
-            gathered again in every micro-batch (and, under ZeRO-3, for its backward). True:
+            gathered again in every micro-batch (and, under ZeRO-3, for their backward). True:
             always; False: never; None (auto): when they fit a quarter of the free device
             (or host) memory. The verdict: `model.fullshard_runtime.kept_frozen.reason`
             (see `fullshard.api.frozen_gathers`, `fullshard.engine.kept_frozen`).

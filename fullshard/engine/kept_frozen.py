@@ -58,7 +58,8 @@ class KeptFrozenUnits:
             self.release()
 
     def frozen_unsharded_bytes(self) -> int:
-        """Bytes per rank that the units with nothing trainable now hold while gathered."""
+        """Bytes per rank that the units with nothing trainable (at the present flags) hold
+        while gathered."""
         return sum(u.unsharded_nbytes for u in self.units if u.buckets and not u.trainable_params)
 
     def kept(self) -> list[Unit]:
