@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fullshard.api.compile_units import unwrap_for_units
+from fullshard.api.frozen_gathers import check_keep_frozen_gathered, decide_keep_frozen_gathered
 from fullshard.api.generation import sync_generation
 from fullshard.config import (
     CPUOffload,
@@ -71,6 +72,7 @@ def fsdp(
     backward_prefetch: bool = True,
     ignored_states: Iterable[nn.Module | nn.Parameter] | None = None,
     param_init_fn: Callable[[nn.Module], object] | None = None,
+    keep_frozen_gathered: bool | None = None,
 ) -> nn.Module:
     """Shard `model` in place over the default process group and return it.
 
@@ -116,6 +118,12 @@ def fsdp(
             not reduced (see `fullshard.engine.ignored`).
         param_init_fn: torch FSDP's: called on each module with meta-device tensors, one unit
             at a time, instead of its `reset_parameters()` (see `fullshard.engine.materialize`).
+        keep_frozen_gathered: units whose parameters are all frozen (a LoRA base) stay
+            gathered from their first forward to the next optimizer step, instead of being
+            gathered again in every micro-batch (and, under ZeRO-3, for their backward). True:
+            always; False: never; None (auto): when they fit a quarter of the free device
+            (or host) memory. The verdict: `model.fullshard_runtime.kept_frozen.reason`
+            (see `fullshard.api.frozen_gathers`, `fullshard.engine.kept_frozen`).
 
     After the call, `model.named_parameters()` yields this rank's shards under the original
     names: build the optimizer afterwards. Gradients are averaged over all ranks, as DDP does.
@@ -176,6 +184,7 @@ def fsdp(
     if param_init_fn is not None and not callable(param_init_fn):
         raise TypeError(f"param_init_fn must be callable, got {param_init_fn!r}")
     check_bool("move_state_dict_to_cpu", move_state_dict_to_cpu, optional=True)
+    check_keep_frozen_gathered(keep_frozen_gathered, "fsdp")
     normalize_policy(auto_wrap_policy)  # a malformed policy fails before anything changes
     normalize_policy(activation_checkpointing_policy, "activation_checkpointing_policy")
     ignored = resolve_ignored(model, check_ignored_states("ignored_states", ignored_states))
@@ -202,6 +211,7 @@ def fsdp(
         reshard_unit=reshard_unit,
     )
     runtime.move_state_dict_to_cpu = bool(move_state_dict_to_cpu)  # None: False (thunder)
+    decide_keep_frozen_gathered(runtime, keep_frozen_gathered, resolved_device)
     # Hugging Face: `get_encoder()(...)` and the other entry points gather what they read
     # outside the root's forward; `generate()` keeps the ranks in step (synced_gpus).
     hook_entry_points(model, runtime)

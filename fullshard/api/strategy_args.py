@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from fullshard.api.frozen_gathers import check_keep_frozen_gathered
 from fullshard.config import check_ignored_states, check_module_classes, resolve_bucketing_strategy
 from fullshard.engine.wrap import mark_unit
 
@@ -35,6 +36,7 @@ ENGINE_OPTIONS = (
     "broadcast_from",
     "move_state_dict_to_cpu",
     "reshard_after_forward",
+    "keep_frozen_gathered",
 )
 
 # [Note: torch FSDP's keywords]
@@ -137,6 +139,7 @@ def check_engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], TorchFS
             f"of a unit's module returning one of them, got "
             f"{type(reshard).__name__}: {reshard!r}"
         )
+    check_keep_frozen_gathered(engine.get("keep_frozen_gathered"), "FSDPStrategy")
     for name in ("prefetch_limit", "max_pending_reductions"):
         value = engine.get(name, 1)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:

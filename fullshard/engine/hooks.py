@@ -68,6 +68,7 @@ from fullshard.distributed.unit_comm import Reductions
 from fullshard.engine.autograd import SavedParams, mark_frozen_inputs, writes_grad
 from fullshard.engine.autograd import in_backward as _in_backward
 from fullshard.engine.bucket import Bucket, PendingReduction
+from fullshard.engine.kept_frozen import KeptFrozenUnits
 from fullshard.engine.mixed_precision import cast_floating
 from fullshard.engine.thunder_refusal import THUNDER_INTERPRETER, refuse_thunder_trace
 from fullshard.engine.unit import Reshard, Unit
@@ -126,6 +127,7 @@ class Runtime:
             u.reshard_after_forward = reshard
         # ZeRO-3's saved-tensor hooks are needed when any unit is released after forward
         self._any_reshards = any(u.reshard_after_forward for u in units)
+        self.kept_frozen = KeptFrozenUnits(units)  # off until api/ decides (enable)
         self.mesh = mesh
         self.plan = plan
         self.prefetch_limit = prefetch_limit  # forward: units gathered ahead of the running one
@@ -281,6 +283,7 @@ class Runtime:
                 if bucket.accumulated_grad is not None and bucket.accumulation_abandoned():
                     abandoned = True
             unit.refresh_requires_grad()
+        self.kept_frozen.release_if_stepped()
         if abandoned:  # zero_grad during a no_sync window: drop it all
             self._drop_gradients()
         self.pass_id += 1
@@ -341,7 +344,6 @@ class Runtime:
 
     def _task_returns_grads(self, unit: Unit) -> bool:
         """Is this backward `torch.autograd.grad` (gradients returned, `.grad` untouched)?
-
         Asked once per autograd task (`writes_grad`, engine/autograd.py)."""
         task = torch._C._current_graph_task_id()
         if self._grad_mode_task != task:
@@ -395,8 +397,7 @@ class Runtime:
         self._finish_pending(keep=self.max_pending_reductions)
 
     def frozen_backward_done(self, unit: Unit) -> None:
-        """`BackwardDone.backward`: gradients have flowed through a unit with nothing
-        trainable; release it once its last node of the pass has run (ZeRO-3)."""
+        """`BackwardDone.backward` of a frozen unit: may release it after its last node."""
         if unit.node_done(torch._C._current_graph_task_id()):
             self._reshard(unit, Reshard.AFTER_BACKWARD)
 
@@ -489,9 +490,8 @@ class Runtime:
 
     def invalidate(self) -> None:
         """The shards were overwritten (a load): release every gathered copy now."""
-        if _in_backward():
-            return
-        self.reset_step()
+        if not _in_backward():
+            self.reset_step()
 
     def release_all(self) -> None:
         """Drop every unsharded buffer and any no_sync accumulation (e.g. before a load)."""

@@ -106,6 +106,8 @@ class Unit:
         self.trainable_params: list[ShardedParam] = []
         self.routing: list[tuple[Bucket, tuple[bool, ...]]] = []  # buckets with a trainable
         self._acc_node: Any = None  # a trainable shard's AccumulateGrad (autograd.grad probe)
+        # Kept gathered while nothing is trainable? Set by the runtime (engine/kept_frozen.py).
+        self.keep_frozen_gathered = False
         self.refresh_requires_grad()
         self.index = -1  # position in the runtime's unit list
         # Released after its forward? Set by the runtime from the plan and any per-unit choice
@@ -153,6 +155,12 @@ class Unit:
         return name in module.__dict__
 
     @property
+    def keeps_gathered(self) -> bool:
+        """Held gathered across micro-batches: frozen, with `keep_frozen_gathered` on
+        ([Note: frozen units stay gathered] in engine/kept_frozen.py)."""
+        return self.keep_frozen_gathered and not self.trainable_params and bool(self.buckets)
+
+    @property
     def in_flight(self) -> bool:
         """Gathered, or its gather issued (True for a unit without parameters)."""
         return self.state is not UnitState.SHARDED or not self.buckets
@@ -162,6 +170,11 @@ class Unit:
         """Bytes this rank sends per peer to gather the unit (fixed at wrap; read for every
         unit ahead at each pre-forward)."""
         return sum(b.gather_nbytes for b in self.buckets)
+
+    @functools.cached_property
+    def unsharded_nbytes(self) -> int:
+        """Bytes of the unit's unsharded buffers on this rank while it is gathered."""
+        return self.gather_nbytes * (self.buckets[0].shard_size if self.buckets else 0)
 
     def start_gather(self, *, async_op: bool) -> None:
         self.start_gather_with((), async_op=async_op)
@@ -225,6 +238,8 @@ class Unit:
         `syncing`: False inside no_sync()), the rule decides:
 
         - `NOW` (a copy older than the shards, reset_step, a load): always.
+        - a unit that `keeps_gathered` (frozen, `keep_frozen_gathered` on): only at `NOW`
+          ([Note: frozen units stay gathered] in engine/kept_frozen.py lists when).
         - `AFTER_BACKWARD` (the unit's last autograd node of the pass ran, or backward ended):
           always, except inside no_sync(), which keeps every unit gathered until the synced
           backward.
@@ -241,6 +256,8 @@ class Unit:
           frees nothing beyond that copy. HYBRID_SHARD frees on its shard axis exactly as
           FULL_SHARD or SHARD_GRAD_OP.
         """
+        if at is not Reshard.NOW and self.keeps_gathered:
+            return
         if at is Reshard.AFTER_BACKWARD and not syncing:
             return
         if at is Reshard.AFTER_FORWARD and not self._reshards_after_forward(
@@ -278,6 +295,7 @@ class Unit:
         flags = tuple(p.param.requires_grad for p in self.params)
         if flags == self._flags:
             return
+        was_kept = self.keeps_gathered
         self._flags = flags
         self.routing = []
         for b in self.buckets:
@@ -293,6 +311,8 @@ class Unit:
             with torch.enable_grad():
                 shard = self.trainable_params[0].param
                 self._acc_node = shard.view_as(shard).grad_fn.next_functions[0][0]
+        if was_kept and not self.keeps_gathered and self.in_flight:
+            self.reshard(Reshard.NOW)  # trainable again: the strategy's rule from now on
 
     def node_created(self, pass_id: int) -> None:
         if self.nodes_pass != pass_id:

@@ -831,11 +831,13 @@ def test_each_rank_stores_ceil_d0_over_n_rows(group2, bucketing):
 
 # == 3. frozen parameters =====================================================================
 def _frozen(strategy: str, bucketing: str) -> dict:
+    # the strategy's schedule for frozen units too (test_frozen_gathers.py: kept gathered)
     ref, model = _wrap(
         _frozen_gpt,
         sharding_strategy=strategy,
         bucketing_strategy=bucketing,
         auto_wrap_policy={Block},
+        keep_frozen_gathered=False,
     )
     gen = torch.Generator().manual_seed(3)
     x, y = ref.make_batch(2 * dist.get_world_size(), gen)
