@@ -78,7 +78,7 @@ class KeptFrozenUnits:
         if not self.enabled:
             return
         seen = self._seen_versions
-        now = {id(b): b.shard_flat._version for u in self.units for b in u.trainable_buckets}
+        now = {id(b): b.shard_flat._version for u in self.units for b, _ in u.routing}
         self._seen_versions = now
         if any(seen.get(key, version) != version for key, version in now.items()):
             self.release()
