@@ -16,6 +16,7 @@ from torch import nn
 from fullshard.api.compile_units import unwrap_for_units
 from fullshard.api.generation import sync_generation
 from fullshard.config import (
+    Compression,
     CPUOffload,
     FSDPBucketingStrategy,
     FSDPType,
@@ -71,6 +72,7 @@ def fsdp(
     backward_prefetch: bool = True,
     ignored_states: Iterable[nn.Module | nn.Parameter] | None = None,
     param_init_fn: Callable[[nn.Module], object] | None = None,
+    compression: Compression | str | None = None,
 ) -> nn.Module:
     """Shard `model` in place over the default process group and return it.
 
@@ -116,6 +118,10 @@ def fsdp(
             not reduced (see `fullshard.engine.ignored`).
         param_init_fn: torch FSDP's: called on each module with meta-device tensors, one unit
             at a time, instead of its `reset_parameters()` (see `fullshard.engine.materialize`).
+        compression: what travels compressed on the wire: a `fullshard.Compression`
+            (weights, gradients, frozen_weights: None, "bf16" or "int8"; block_size), or
+            "int8" / "bf16" for all three; None (default): everything exact. The shards,
+            the optimizer step and checkpoints stay full precision. Not with NO_SHARD.
 
     After the call, `model.named_parameters()` yields this rank's shards under the original
     names: build the optimizer afterwards. Gradients are averaged over all ranks, as DDP does.
@@ -186,8 +192,16 @@ def fsdp(
     ignored = resolve_ignored(model, check_ignored_states("ignored_states", ignored_states))
     mp = MixedPrecision.coerce(mixed_precision)
     offload = CPUOffload.coerce(cpu_offload).offload_params
+    wire = Compression.coerce(compression)
     resolved_device = default_device() if device is None else _as_device(device)
     mesh = build_mesh(plan, device_mesh)
+    if wire is not None and mesh.shard.size == 1 and mesh.replicate.size > 1:
+        raise ValueError(
+            f"compression={compression!r} does not apply to NO_SHARD (a shard axis of size 1: "
+            f"parameters are never gathered and gradients are all-reduced whole, as DDP). Use "
+            f"FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD with a shard axis > 1, or drop "
+            f"compression."
+        )
     runtime = shard_module(
         model,
         mesh=mesh,
@@ -205,6 +219,7 @@ def fsdp(
         ignored=ignored,
         param_init_fn=param_init_fn,
         reshard_unit=reshard_unit,
+        compression=wire,
     )
     runtime.move_state_dict_to_cpu = bool(move_state_dict_to_cpu)  # None: False (thunder)
     # Hugging Face: `get_encoder()(...)` and the other entry points gather what they read

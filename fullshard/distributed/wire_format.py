@@ -10,8 +10,9 @@ Formats (`fmt`):
   `q * scale`, so the error of an element is at most scale / 2 = absmax / 254 of its block
   (up to fp32 rounding, ~1e-7 relative to absmax; decoding into bf16 or fp16 adds that
   dtype's own rounding of the result). A block of zeros gets scale 0 and decodes
-  to exact zeros. (A block whose absmax is below ~1.8e-43, where absmax / 127 underflows to
-  0, decodes to zeros too: its error is that absmax.)
+  to exact zeros; -0.0 decodes to -0.0 (`NEGATIVE_ZERO`), as bf16 keeps it too. (A block
+  whose absmax is below ~1.8e-43, where absmax / 127 underflows to 0, decodes to zeros
+  too: its error is that absmax.)
 
 int8 buffer layout, one contiguous uint8 tensor per tensor (or per row of a 2-d input):
 `[numel int8 values][0-3 zero bytes to a multiple of 4][nblocks fp32 scales]`, so a
@@ -40,6 +41,11 @@ import torch.nn.functional as F
 WIRE_FORMATS = ("exact", "bf16", "int8")
 
 INT8_MAX = 127
+
+NEGATIVE_ZERO = -128
+"""The int8 code of an element that is exactly -0.0 (quantized values use -127..127): it
+decodes to -0.0, so a reduction keeps the engine's mark of a gradient no rank produced (all
+-0: engine/bucket.py's `unused_grad`), which a plain 0 would turn into +0."""
 
 
 def _check(fmt: str, block_size: int) -> None:
@@ -107,6 +113,7 @@ def _encode_int8(rows: torch.Tensor, block_size: int) -> torch.Tensor:
     usable = torch.isfinite(scale) & (scale > 0)
     divisor = torch.where(usable, scale, torch.ones_like(scale))
     q = torch.round(blocks / divisor.unsqueeze(2)).clamp_(-INT8_MAX, INT8_MAX)
+    q = torch.where((blocks == 0) & blocks.signbit(), NEGATIVE_ZERO, q)
     # a nonfinite block sends zeros (casting NaN to int8 is undefined); its scale carries it
     q = torch.where(torch.isfinite(scale).unsqueeze(2), q, torch.zeros_like(q))
     q8 = q.to(torch.int8).view(n_rows, nblocks * block_size)[:, :numel]
@@ -151,7 +158,8 @@ def _decode_int8(rows: torch.Tensor, numel: int, block_size: int) -> torch.Tenso
     scale = rows[:, payload:].contiguous().view(torch.float32)  # [rows, nblocks]
     q = rows[:, :numel].view(torch.int8).float()
     q = F.pad(q, (0, nblocks * block_size - numel)).view(n_rows, nblocks, block_size)
-    return (q * scale.unsqueeze(2)).view(n_rows, nblocks * block_size)[:, :numel]
+    values = torch.where(q == NEGATIVE_ZERO, -0.0, q * scale.unsqueeze(2))
+    return values.view(n_rows, nblocks * block_size)[:, :numel]
 
 
 def reduce_encoded(
