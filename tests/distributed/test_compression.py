@@ -219,3 +219,29 @@ def _no_shard_refused() -> str:
 def test_no_shard_with_compression_is_refused_with_the_fix(group):
     message = group.run(_no_shard_refused)[0]
     assert "NO_SHARD" in message and "FULL_SHARD" in message, message
+
+
+def _frozen_gathers() -> dict:
+    """One SHARD_GRAD_OP step with block 0 frozen and only frozen weights compressed."""
+    torch.manual_seed(0)
+    tiny = TinyGPT(dim=32, layers=2)
+    tiny.blocks[0].requires_grad_(False)
+    model = fullshard.fsdp(tiny, device="cpu", sharding_strategy="SHARD_GRAD_OP",
+                           auto_wrap_policy={Block}, bucketing_strategy="BLOCK",
+                           compression=fullshard.Compression(frozen_weights="int8"))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    fullshard.reset_comm_stats()
+    x, y = model.make_batch(BATCH * world, torch.Generator().manual_seed(1))
+    model.loss(x[rank * BATCH : (rank + 1) * BATCH], y[rank * BATCH : (rank + 1) * BATCH]
+               ).backward()
+    buckets = [b for u in model.fullshard_runtime.units for b in u.buckets]
+    expected = sum(b.numel * 4 if b.requires_grad else wire_nbytes(b.numel, "int8")
+                   for b in buckets) * (world - 1)
+    return {"counted": fullshard.comm_stats()["all_gather"]["wire_bytes"],
+            "expected": expected, "wires": [b.gather_wire for b in buckets]}
+
+
+def test_frozen_units_gather_in_the_frozen_weights_format(group):
+    for result in group.run(_frozen_gathers):
+        assert result["wires"] == ["exact", "int8", "exact"]  # root, frozen block 0, block 1
+        assert result["counted"] == result["expected"]
