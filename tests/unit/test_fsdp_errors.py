@@ -382,3 +382,11 @@ def test_compression_is_exported_and_reaches_the_strategy():
     assert fullshard.FSDPStrategy(compression="int8").compression == fullshard.Compression(
         weights="int8", gradients="int8", frozen_weights="int8")
     assert fullshard.FSDPStrategy().compression is None
+
+
+def test_compression_on_one_rank_is_accepted_nothing_travels(world1):
+    # the counterpart of NO_SHARD's refusal (tests/distributed/test_compression.py): with
+    # one rank there is no traffic to leave uncompressed
+    model = fullshard.fsdp(_model(), device="cpu", compression="int8")
+    model(torch.randn(2, 4)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
