@@ -425,9 +425,9 @@ def all_to_all(
 ) -> CommHandle:
     """Row r of `input` (`[group.size, n]`, contiguous) goes to group rank r; rank r's row for
     us lands in row r of `output` (ours is copied). Counted as `kind`, the collective it
-    carries out (a compressed reduce-scatter: unit_comm's [Note: compressed collectives]):
-    `bytes` the whole input, `wire_bytes` the rows sent to peers. (`label`, `check`: see
-    `all_gather`.)"""
+    carries out (a compressed reduce-scatter: see [Note: compressed collectives] in
+    distributed/unit_comm.py): `bytes` the whole input, `wire_bytes` the rows sent to peers.
+    (`label`, `check`: see `all_gather`.)"""
     if group.size == 1:
         output.copy_(input)
         return _DONE
