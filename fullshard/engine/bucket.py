@@ -182,7 +182,8 @@ class Bucket:
 
     @property
     def gather_nbytes(self) -> int:
-        """Bytes this rank sends per peer to gather the bucket (its shards, compute dtype)."""
+        """Bytes this rank sends per peer to gather the bucket exactly (its shards, compute
+        dtype), which its gathered copy holds per rank; a compressed gather sends less."""
         return self.numel * self.compute_dtype.itemsize
 
     @property
