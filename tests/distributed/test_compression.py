@@ -18,6 +18,8 @@ sequences per rank, one unit per block, BLOCK bucketing. What is pinned:
   step's forward (decoded gathers, a rank's own chunk decoded too) are bitwise identical on
   all ranks, and differ from the exact shards by at most an int8 step (so the shards, which
   the optimizer updates and checkpoints save, stay exact).
+- **Checkpoints hold the exact shards**: `full_state_dict` after a compressed step equals
+  every rank's shards bit for bit.
 - **Counted bytes are the encoded bytes**: `comm_stats()` counts `wire_nbytes(L)` per peer for
   each gather and reduction of a bucket with L padded elements per rank, the collectives
   counted are the exact run's, and `fullshard.plan(compression=...)` prices the same bytes.
@@ -133,6 +135,14 @@ def test_the_nccl_code_path_gives_the_same_losses(group):
     assert native == pairwise
 
 
+def _rows_of(full: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a full tensor, shaped as its (unpadded) `shard`."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = full.reshape(full.shape[0], -1)
+    c = -(-rows.shape[0] // world)  # rows per shard (engine/layout.py)
+    return rows[rank * c : rank * c + shard.shape[0]].reshape(shard.shape)
+
+
 def _own_rows_and_bytes(fmt: str) -> dict:
     """One SHARD_GRAD_OP step with NONE bucketing (one parameter per bucket): the counters,
     what they should be, and this rank's own rows of the weights read in forward against its
@@ -144,10 +154,7 @@ def _own_rows_and_bytes(fmt: str) -> dict:
 
     def own_rows(module, inputs, output):
         for name, p in module.named_parameters(recurse=False):
-            full = getattr(module, name).detach()  # the gathered tensor, decoded
-            full = full.reshape(full.shape[0], -1)
-            c = -(-full.shape[0] // world)  # rows per shard (layout.py)
-            mine = full[rank * c : rank * c + p.shape[0]].reshape(p.shape)
+            mine = _rows_of(getattr(module, name).detach(), p)  # of the decoded gather
             exact = shards[id(p)]
             gaps.append(((mine - exact).abs().max().item(),
                          exact.abs().max().item() / 254 * (1 + 1e-6)))
@@ -160,13 +167,16 @@ def _own_rows_and_bytes(fmt: str) -> dict:
     model.loss(x[rank * BATCH : (rank + 1) * BATCH], y[rank * BATCH : (rank + 1) * BATCH]
                ).backward()
     stats = fullshard.comm_stats()
+    full = fullshard.full_state_dict(model)  # a checkpoint: the exact shards, not decoded
+    exact_checkpoint = all(torch.equal(_rows_of(full[name], p), p.detach())
+                           for name, p in model.named_parameters())
     buckets = [b for u in model.fullshard_runtime.units for b in u.buckets]
     per_peer = sum(wire_nbytes(b.numel, fmt) for b in buckets) * (world - 1)
     table = fullshard.plan(lambda: TinyGPT(dim=32, layers=2), world_sizes=(world,),
                            strategies=["SHARD_GRAD_OP"], auto_wrap_policy={Block},
                            bucketing="NONE", backend="gloo", compression=fmt)
     return {"stats": stats, "per_peer": per_peer, "buckets": len(buckets), "gaps": gaps,
-            "planned": table.rows[0].comm_bytes_by_kind}
+            "planned": table.rows[0].comm_bytes_by_kind, "exact_checkpoint": exact_checkpoint}
 
 
 @pytest.mark.parametrize("fmt", ["int8", "bf16"])
@@ -179,6 +189,7 @@ def test_counted_bytes_are_the_encoded_bytes(group, fmt):
             assert stats[kind]["bytes"] == per_peer // (group.world_size - 1) * group.world_size
             assert result["planned"][kind] == per_peer, kind
         assert stats["all_reduce"]["calls"] == 0
+        assert result["exact_checkpoint"]
         if fmt == "int8":
             gaps = result["gaps"]
             assert all(gap <= bound for gap, bound in gaps), gaps
