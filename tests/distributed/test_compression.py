@@ -25,7 +25,8 @@ sequences per rank, one unit per block, BLOCK bucketing. What is pinned:
   counted are the exact run's, and `fullshard.plan(compression=...)` prices the same bytes.
 - no_sync accumulation (exact) compressed at the synced step; an unused parameter keeps
   `.grad is None` through an int8 reduction; the NCCL code path gives the same losses bit for
-  bit; NO_SHARD with compression is refused with the fix.
+  bit; HYBRID_SHARD on a (2, 2) mesh stays within the bound; NO_SHARD with compression is
+  refused with the fix.
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ def group(request):
 
 def _model(strategy: str, compression: object, bucketing: str = "BLOCK") -> nn.Module:
     torch.manual_seed(0)
+    mesh = {"device_mesh": (2, 2)} if strategy == "HYBRID_SHARD" else {}
     return fullshard.fsdp(TinyGPT(dim=32, layers=2), device="cpu", sharding_strategy=strategy,
                           auto_wrap_policy={Block}, bucketing_strategy=bucketing,
-                          compression=compression)
+                          compression=compression, **mesh)
 
 
 def _train(strategy: str, compression: object, accumulate: int = 1, native: bool = False
@@ -256,3 +258,14 @@ def test_frozen_units_gather_in_the_frozen_weights_format(group):
     for result in group.run(_frozen_gathers):
         assert result["wires"] == ["exact", "int8", "exact"]  # root, frozen block 0, block 1
         assert result["counted"] == result["expected"]
+
+
+def test_hybrid_shard_compresses_the_shard_axis_and_keeps_the_replicas_exact():
+    """(2, 2) mesh: the reduce-scatter on the shard axis is compressed, its mean (divided by
+    all 4 ranks in fp32) all-reduced exactly over the replicate axis; same bound."""
+    with DistributedGroup(4) as group:
+        exact = group.run(_train, "HYBRID_SHARD", None)[0]["losses"]
+        results = group.run(_train, "HYBRID_SHARD", "int8")
+    deltas = [abs(a - b) for a, b in zip(results[0]["losses"], exact)]
+    assert 0 < max(deltas) <= LOSS_BOUND["int8"], deltas
+    assert all(torch.equal(r["weights"], results[0]["weights"]) for r in results[1:])
