@@ -10,6 +10,7 @@ from fullshard.api.functional import fsdp
 from fullshard.api.grad_norm import clip_grad_norm_
 from fullshard.api.lightning_registration import register_when_lightning_is_imported
 from fullshard.config import (
+    Compression,
     CPUOffload,
     FSDPBucketingStrategy,
     FSDPType,
@@ -25,6 +26,7 @@ from fullshard.planner import PlanTable, plan
 
 __all__ = [
     "CPUOffload",
+    "Compression",
     "FSDPBucketingStrategy",
     "FSDPType",
     "FullyShardedModule",

@@ -17,6 +17,7 @@ from fullshard.api.compile_units import unwrap_for_units
 from fullshard.api.frozen_gathers import check_keep_frozen_gathered, decide_keep_frozen_gathered
 from fullshard.api.generation import sync_generation
 from fullshard.config import (
+    Compression,
     CPUOffload,
     FSDPBucketingStrategy,
     FSDPType,
@@ -73,6 +74,7 @@ def fsdp(
     ignored_states: Iterable[nn.Module | nn.Parameter] | None = None,
     param_init_fn: Callable[[nn.Module], object] | None = None,
     keep_frozen_gathered: bool | None = None,
+    compression: Compression | str | None = None,
 ) -> nn.Module:
     """Shard `model` in place over the default process group and return it.
 
@@ -124,6 +126,10 @@ def fsdp(
             always; False: never; None (auto): when they fit a quarter of the free device
             (or host) memory. The verdict: `model.fullshard_runtime.kept_frozen.reason`
             (see `fullshard.api.frozen_gathers`, `fullshard.engine.kept_frozen`).
+        compression: what travels compressed on the wire: a `fullshard.Compression`
+            (weights, gradients, frozen_weights: None, "bf16" or "int8"; block_size), or
+            "int8" / "bf16" for all three; None (default): everything exact. The shards,
+            the optimizer step and checkpoints stay full precision. Not with NO_SHARD.
 
     After the call, `model.named_parameters()` yields this rank's shards under the original
     names: build the optimizer afterwards. Gradients are averaged over all ranks, as DDP does.
@@ -190,8 +196,16 @@ def fsdp(
     ignored = resolve_ignored(model, check_ignored_states("ignored_states", ignored_states))
     mp = MixedPrecision.coerce(mixed_precision)
     offload = CPUOffload.coerce(cpu_offload).offload_params
+    wire = Compression.coerce(compression)
     resolved_device = default_device() if device is None else _as_device(device)
     mesh = build_mesh(plan, device_mesh)
+    if wire is not None and mesh.shard.size == 1 and mesh.replicate.size > 1:
+        raise ValueError(
+            f"compression={compression!r} does not apply to NO_SHARD (a shard axis of size 1: "
+            f"parameters are never gathered and gradients are all-reduced whole, as DDP). Use "
+            f"FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD with a shard axis > 1, or drop "
+            f"compression."
+        )
     runtime = shard_module(
         model,
         mesh=mesh,
@@ -209,6 +223,7 @@ def fsdp(
         ignored=ignored,
         param_init_fn=param_init_fn,
         reshard_unit=reshard_unit,
+        compression=wire,
     )
     runtime.move_state_dict_to_cpu = bool(move_state_dict_to_cpu)  # None: False (thunder)
     decide_keep_frozen_gathered(runtime, keep_frozen_gathered, resolved_device)

@@ -70,6 +70,7 @@ from fullshard.api.strategy_args import (
 from fullshard.api.strategy_checkpoints import CheckpointMethods
 from fullshard.api.strategy_env import RankPlacement
 from fullshard.config import (
+    Compression,
     CPUOffload,
     MixedPrecision,
     mixed_precision_for,
@@ -121,6 +122,8 @@ class FSDPStrategy(RankPlacement, CheckpointMethods):
         state_dict_type: 'sharded' (one file per rank) or 'full' (one file) for checkpoints.
         device_mesh: HYBRID_SHARD only: `(replicate, shard)` with product == world size, or a
             2-D `DeviceMesh`. Default for HYBRID_SHARD: (nodes, ranks per node).
+        compression: `fullshard.Compression`, or "int8" / "bf16" for weights and gradients
+            alike; None (default): exact (see `fullshard.fsdp`).
         **kwargs: engine options of `fullshard.fsdp`: bucketing_strategy, prefetch_limit,
             max_pending_reductions, broadcast_from, move_state_dict_to_cpu,
             reshard_after_forward (FSDP2's True / False / None, or per unit a callable of
@@ -145,6 +148,7 @@ class FSDPStrategy(RankPlacement, CheckpointMethods):
         sharding_strategy: object = "FULL_SHARD",
         state_dict_type: str = "sharded",
         device_mesh: tuple[int, int] | DeviceMesh | None = None,
+        compression: Compression | str | None = None,
         **kwargs: Any,
     ) -> None:
         check_mesh_or_group(kwargs.get("process_group"), device_mesh)
@@ -184,6 +188,7 @@ class FSDPStrategy(RankPlacement, CheckpointMethods):
         # The engine's own types; the user's objects (or torch's equivalents) are what the
         # `cpu_offload` / `mixed_precision` attributes report, as in Lightning.
         self._cpu_offload = CPUOffload.coerce(cpu_offload)
+        self.compression = Compression.coerce(compression)
         self.cpu_offload = torch_cpu_offload(cpu_offload)
         self._mixed_precision = MixedPrecision.coerce(mixed_precision)
         self.mixed_precision = mixed_precision
@@ -318,6 +323,7 @@ class FSDPStrategy(RankPlacement, CheckpointMethods):
             device_mesh=self._mesh_argument(),
             mixed_precision=self._engine_mixed_precision(),
             cpu_offload=self._cpu_offload,
+            compression=self.compression,
             activation_checkpointing_policy=self.activation_checkpointing_policy,
             **self._engine_kwargs,
         )

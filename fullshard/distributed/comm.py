@@ -474,3 +474,26 @@ def broadcast_pickled(obj: Any, src: int, group: Group) -> Any:
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     broadcast(data, src, group)
     return obj if is_src else pickle.loads(bytes(data.cpu().tolist()))
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, *,
+               async_op: bool = False, label: str | None = None, check: bool = True,
+               kind: str = "reduce_scatter") -> CommHandle:
+    """Row r of `input` (`[group.size, n]`, contiguous) goes to group rank r; rank r's row for
+    us lands in row r of `output` (ours is copied). Counted as `kind`, the collective it
+    carries out (a compressed reduce-scatter: see [Note: compressed collectives] in
+    distributed/unit_comm.py): `bytes` the whole input, `wire_bytes` the rows sent to peers.
+    (`label`, `check`: see `all_gather`.)"""
+    if group.size == 1:
+        output.copy_(input)
+        return _DONE
+    n = _nbytes(input)
+    _COUNTERS.add(kind, n, n * (group.size - 1) / group.size)
+    if pairwise_exchanges(group):
+        handle = CommHandle(*gloo.all_to_all(output, input, group,
+                                             *_exchange(kind, [label], [check], group),
+                                             capacity=_header_capacity()))
+        return _settle(handle, async_op)
+    work = dist.all_to_all_single(output, input, group=group.pg, async_op=True)
+    header = _native_header(group, *_exchange(kind, [label], [check], group))
+    return _settle(CommHandle([work], refs=(output, input), header=header), async_op)

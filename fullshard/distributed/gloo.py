@@ -475,3 +475,17 @@ def all_reduce(tensors: Sequence[torch.Tensor], group: Group, seq: int, idents: 
 
     refs = (tuple(tensors), staged.rows, send)
     return _handle(posts.post(), staged, None, sum_in_rank_order, refs)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, seq: int,
+               idents: Sequence[int], header: bool, *, capacity: int) -> Exchange:
+    """Row r of `input` to group rank r, rank r's row for us into row r of `output` (comm's
+    `all_to_all`): one message per peer, received in place; our own row is copied. The
+    header (if `header`) is a message of its own."""
+    own = Header(group, seq, idents, capacity=capacity) if header else None
+    posts, tag = _Posts(group), tag_of(seq, idents[0], 1)
+    for dst, src in _peers(group):
+        posts.send(input[dst], dst, tag)
+        posts.recv(output[src], src, tag)
+    output[group.rank].copy_(input[group.rank])
+    return _handle(posts.post(), None, own, None, (output, input))

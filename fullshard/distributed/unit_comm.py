@@ -12,11 +12,12 @@ The contract of every call:
   dtype. A reduction casts the gradients to `ReduceRequest.dtype` (the reduce dtype), sums
   in it, and its result -- the mean over the data-parallel ranks of this rank's shard -- has
   it too. Converting to the master dtype and device is the caller's.
-- `wire`: the format on the wire, per call. Only `"exact"` exists (None means it): the
-  tensors' own bytes, so results equal the definition bit for bit (sums in rank order, see
-  [Note: gloo's all-gather and reduce-scatter] in distributed/gloo.py). A compressed
-  format is to plug in here: it quantizes before the wire and dequantizes on arrival into
-  the same result dtype, and `comm_stats()`'s `wire_bytes` count what it sends.
+- `wire`: the format on the wire, per call (`wire_format.WIRE_FORMATS`; None means
+  "exact"), with `block_size` for "int8". "exact" sends the tensors' own bytes, so results
+  equal the definition bit for bit (sums in rank order, see [Note: gloo's all-gather and
+  reduce-scatter] in distributed/gloo.py). A compressed format ("bf16", "int8") encodes
+  before the wire and decodes on arrival into the same result dtype: see [Note: compressed
+  collectives]. `comm_stats()` counts the encoded bytes, what is really sent.
 - `track`: called on every transient buffer allocated for the call (the engine's memory
   accounting, engine/bucket.py); the handle keeps them referenced until it is done.
 
@@ -35,6 +36,21 @@ messages are fewer. Memory: ZeRO-3 holds the running unit plus at most
 max(`prefetch_limit` units, SMALL_UNITS_BYTES per rank gathered) ahead, and up to
 SMALL_UNITS_BYTES per rank of unsharded gradients waiting; large units are exactly as
 without batching. NCCL issues one collective per bucket as before.
+
+[Note: compressed collectives]
+ZeRO++'s qwZ and qgZ, over the same backend collectives on uint8 buffers (wire_format.py holds
+the encodings and their error).
+- A gather encodes this rank's (L,) shards into one buffer, all-gathers the buffers
+  (rank-major) and decodes every rank's chunk -- its own too, so every rank computes with the
+  same weights -- into the compute dtype, then reorders it parameter-major as an exact gather.
+  Encoding is deterministic, so ZeRO-3's backward re-gather yields the forward's weights.
+- A reduction on the shard axis packs the gradients rank-major (S, L) in the reduce dtype,
+  encodes each destination's row, exchanges row r with rank r (`comm.all_to_all`), decodes the
+  S rows received and sums them in fp32 in rank order, divided by the data-parallel size
+  (`wire_format.reduce_encoded`; never summed in int8). The replicate axis's all-reduce
+  (HYBRID_SHARD) and no_sync accumulation stay exact: a no_sync sum is compressed once, at the
+  synced reduction. A compressed reduction is issued at once, never held to travel with others.
+- NO_SHARD (shard axis of size 1) has no compressed path: the engine refuses it at wrap.
 """
 
 from __future__ import annotations
@@ -50,8 +66,7 @@ from fullshard.distributed import comm
 from fullshard.distributed.comm import CommHandle, Group
 from fullshard.distributed.comm import register_label as register_label
 from fullshard.distributed.mesh import ShardMesh
-
-WIRE_FORMATS = ("exact",)
+from fullshard.distributed.wire_format import WIRE_FORMATS, decode, encode, reduce_encoded
 
 SMALL_UNITS_BYTES = 1 << 20
 """Bytes per rank of small units gathered ahead (and of their gradients held) to travel in one
@@ -82,9 +97,11 @@ def _reduce_batch_bytes(mesh: ShardMesh) -> int:
     return small_units_bytes() // (mesh.replicate.size - 1)
 
 
-def _check_wire(wire: str | None) -> None:
+def _check_wire(wire: str | None) -> str:
+    """`wire` as a format name ("exact" for None), or a ValueError."""
     if wire is not None and wire not in WIRE_FORMATS:
         raise ValueError(f"wire format {wire!r} is not one of {WIRE_FORMATS} (or None: exact)")
+    return wire or "exact"
 
 
 def _untracked(t: torch.Tensor) -> torch.Tensor:
@@ -111,12 +128,14 @@ class GatherRequest:
 class GatherHandle:
     """A bucket's gather in flight; `wait()` returns the (S*L,) parameter-major result."""
 
-    __slots__ = ("_comm", "_out", "_pieces", "_size", "_track", "_rank_major")
+    __slots__ = ("_comm", "_out", "_pieces", "_size", "_track", "_rank_major", "_decode")
 
     def __init__(self, handle: CommHandle, out: torch.Tensor, request: GatherRequest,
-                 size: int, track: Callable[[torch.Tensor], torch.Tensor], rank_major: bool):
+                 size: int, track: Callable[[torch.Tensor], torch.Tensor], rank_major: bool,
+                 decode: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self._comm, self._out, self._pieces = handle, out, request.pieces
         self._size, self._track, self._rank_major = size, track, rank_major
+        self._decode = decode  # a compressed gather: received bytes -> (S, L) rank-major
 
     def wait(self) -> torch.Tensor:
         """The gathered parameters, *parameter-major*: parameter i's S padded shards, rank
@@ -124,18 +143,21 @@ class GatherHandle:
         self._comm.wait()
         out, self._out = self._out, None
         assert out is not None, "GatherHandle.wait() called twice"
-        if not self._rank_major:
+        if self._decode is not None:
+            out = self._decode(out)
+        elif not self._rank_major:
             return out
         # The backend's all-gather is rank-major ([rank0: p1 p2 | rank1: p1 p2]): one copy
         # reorders it (views of a tracked buffer, never copies, go to the modules: see
         # [Note: ZeRO-3 and saved tensors] in engine/autograd.py).
         s, numel = self._size, out.numel() // self._size
-        param_major = self._track(torch.empty_like(out))
+        param_major = self._track(torch.empty(out.numel(), dtype=out.dtype, device=out.device))
         slices, start = [], 0
         for piece in self._pieces:
             slices.append(param_major[s * start : s * (start + piece)].view(s, -1))
             start += piece
-        torch.split_with_sizes_copy(out.view(s, numel), list(self._pieces), dim=1, out=slices)
+        torch.split_with_sizes_copy(out.reshape(s, numel), list(self._pieces), dim=1,
+                                    out=slices)
         return param_major
 
     def discard(self) -> None:
@@ -160,10 +182,14 @@ def gather_params(
     async_op: bool,
     track: Callable[[torch.Tensor], torch.Tensor] = _untracked,
     wire: str | None = None,
+    block_size: int = 256,
 ) -> list[GatherHandle]:
     """All-gather these buckets over `group` (size > 1), issued together: small ones travel
-    as one exchange where the backend allows. One handle per request, in order."""
-    _check_wire(wire)
+    as one exchange where the backend allows. One handle per request, in order. A compressed
+    `wire` sends each request's shards encoded (see [Note: compressed collectives])."""
+    fmt = _check_wire(wire)
+    if fmt != "exact":
+        return _gather_encoded(requests, group, async_op, track, fmt, block_size)
     segmented = comm.pairwise_exchanges(group)
     items, rank_major = [], []
     for r in requests:
@@ -179,6 +205,33 @@ def gather_params(
     return [
         GatherHandle(h, item[0], r, group.size, track, major)
         for h, item, r, major in zip(handles, items, requests, rank_major)
+    ]
+
+
+def _gather_encoded(requests: Sequence[GatherRequest], group: Group, async_op: bool,
+                    track: Callable[[torch.Tensor], torch.Tensor], fmt: str, block_size: int
+                    ) -> list[GatherHandle]:
+    """qwZ: every rank's shards encoded, all-gathered as bytes (rank-major), decoded on
+    arrival, this rank's own chunk included (one set of weights on every rank)."""
+    items, decoders = [], []
+    for r in requests:
+        sent = track(encode(r.send, fmt, block_size=block_size))
+        out = track(torch.empty(group.size * sent.numel(), dtype=torch.uint8,
+                                device=r.send.device))
+        items.append((out, sent, None, r.label))
+
+        def decoded(received: torch.Tensor, numel: int = r.send.numel(),
+                    dtype: torch.dtype = r.send.dtype) -> torch.Tensor:
+            rows = received.view(group.size, -1)
+            return decode(rows, numel, dtype, fmt, block_size=block_size)
+
+        decoders.append(decoded)
+    handles = comm.all_gather_batch(
+        items, group, async_op=async_op, check=[r.check for r in requests]
+    )
+    return [
+        GatherHandle(h, item[0], r, group.size, track, True, decode=d)
+        for h, item, r, d in zip(handles, items, requests, decoders)
     ]
 
 
@@ -236,21 +289,29 @@ class ReduceHandle:
 
     Averaging: the sum is divided by the data-parallel size after the reduction, on the
     (1/S-sized) result. fp16 cannot hold large sums, so an fp16 reduction divides by
-    sqrt(N) before and after instead."""
+    sqrt(N) before and after instead. A compressed reduction sums in fp32 and divides there,
+    before its result is cast to the reduce dtype (see [Note: compressed collectives])."""
 
-    __slots__ = ("mesh", "output", "label", "check", "_pre", "_item", "_handle",
-                 "_replicate_pending", "_done")
+    __slots__ = ("mesh", "output", "label", "check", "nbytes", "_pre", "_item", "_handle",
+                 "_replicate_pending", "_done", "_decode")
 
     def __init__(self, request: ReduceRequest, mesh: ShardMesh,
-                 track: Callable[[torch.Tensor], torch.Tensor]) -> None:
+                 track: Callable[[torch.Tensor], torch.Tensor], wire: str = "exact",
+                 block_size: int = 256) -> None:
         self.mesh, self.label, self.check = mesh, request.label, request.check
         world = mesh.data_parallel_size
         self._pre = math.sqrt(world) if request.dtype == torch.float16 and world > 1 else 1.0
         self._item: tuple | None = None  # set while held: what `issue_reductions` sends
         self._handle: CommHandle | None = None
         self._done = False
+        self._decode: Callable[[], torch.Tensor] | None = None
         numel, shard = sum(request.pieces), mesh.shard
+        # Bytes of this rank's reduced shard (what a held reduction adds to a batch).
+        self.nbytes = numel * request.dtype.itemsize
         self._replicate_pending = shard.size > 1 and mesh.replicate.size > 1
+        if wire != "exact" and mesh.world.size > 1:  # on one rank nothing travels
+            self._start_encoded(request, track, wire, block_size)
+            return
         if request.accumulated is None and comm.pairwise_exchanges(shard):
             # Each rank's rows go straight from the gradients (comm.reduce_scatter_segments):
             # no packed copy. Usually views of autograd's tensors (copies only if strided or
@@ -280,15 +341,41 @@ class ReduceHandle:
                 packed, mesh.replicate, async_op=True, label=self.label, check=self.check
             )
 
+    def _start_encoded(self, request: ReduceRequest,
+                       track: Callable[[torch.Tensor], torch.Tensor], wire: str,
+                       block_size: int) -> None:
+        """qgZ: each destination's row of the packed gradients encoded and sent to it; the
+        rows received are decoded and summed in fp32 at `wait()`."""
+        shard, numel = self.mesh.shard, sum(request.pieces)
+        if shard.size == 1:
+            raise ValueError(
+                f"{self.label}: compressed gradients (wire {wire!r}) need a shard axis; under "
+                f"NO_SHARD the gradients are all-reduced whole. Use FULL_SHARD, SHARD_GRAD_OP "
+                f"or HYBRID_SHARD, or Compression(gradients=None)."
+            )
+        self._pre = 1.0  # the sum is fp32: no fp16 overflow to avoid
+        packed = _pack(request, shard.size, track)
+        if request.accumulated is not None:
+            packed.add_(request.accumulated)
+        rows = track(encode(packed.view(shard.size, numel), wire, block_size=block_size))
+        del packed  # only its encoding travels
+        received = track(torch.empty_like(rows))
+        self._handle = comm.all_to_all(
+            received, rows, shard, async_op=True, label=self.label, check=self.check
+        )
+        self.output = torch.empty(0, dtype=request.dtype, device=request.device)
+        world = self.mesh.data_parallel_size
+
+        def decode_and_sum() -> torch.Tensor:
+            return reduce_encoded(received, numel, request.dtype, wire, block_size=block_size,
+                                  divisor=world)
+
+        self._decode = decode_and_sum
+
     @property
     def issued(self) -> bool:
         """False while the reduction waits to go with others (`issue_reductions`)."""
         return self._item is None
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of this rank's reduced shard (what a held reduction adds to a batch)."""
-        return self.output.numel() * self.output.element_size()
 
     def wait(self) -> torch.Tensor:
         """The mean over the data-parallel ranks of this rank's padded shard of the
@@ -298,6 +385,9 @@ class ReduceHandle:
             return self.output
         assert self._handle is not None
         self._handle.wait()  # the handle held the reduce input until now
+        divided = self._decode is not None
+        if self._decode is not None:
+            self.output, self._decode = self._decode(), None
         if self._replicate_pending:
             self._replicate_pending = False
             self._handle = comm.all_reduce(
@@ -305,7 +395,7 @@ class ReduceHandle:
                 check=self.check,
             )
             self._handle.wait()
-        post = self.mesh.data_parallel_size / self._pre
+        post = 1.0 if divided else self.mesh.data_parallel_size / self._pre
         if post != 1.0:
             self.output.div_(post)
         self._done = True
@@ -325,12 +415,12 @@ def start_reduction(
     hold: bool,
     track: Callable[[torch.Tensor], torch.Tensor] = _untracked,
     wire: str | None = None,
+    block_size: int = 256,
 ) -> ReduceHandle:
     """Start reducing one bucket's gradients. With `hold`, a reduction that can travel with
     others (our own exchanges: gloo) is only prepared -- `Reductions.submit` or
-    `issue_reductions` sends it; every other one is issued now."""
-    _check_wire(wire)
-    handle = ReduceHandle(request, mesh, track)
+    `issue_reductions` sends it; every other one (a compressed one too) is issued now."""
+    handle = ReduceHandle(request, mesh, track, _check_wire(wire), block_size)
     if not hold and not handle.issued:
         issue_reductions([handle])
     return handle

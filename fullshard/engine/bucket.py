@@ -42,6 +42,7 @@ from typing import Literal
 
 import torch
 
+from fullshard.config import Compression
 from fullshard.distributed import unit_comm
 from fullshard.distributed.mesh import ShardMesh
 from fullshard.distributed.unit_comm import GatherHandle, GatherRequest, ReduceHandle
@@ -60,8 +61,10 @@ class Bucket:
         reduce_dtype: torch.dtype | None = None,
         offload: bool = False,
         keep_low_precision_grads: bool = False,
+        compression: Compression | None = None,
     ) -> None:
         self.params = list(params)
+        self.compression = compression  # the wire formats (None: everything exact)
         self.mesh = mesh
         self.dtype = dtype  # the shards' (master) dtype, also the gradients handed to .grad
         self.compute_dtype = compute_dtype or dtype  # gathered parameters
@@ -175,8 +178,28 @@ class Bucket:
 
     @property
     def gather_nbytes(self) -> int:
-        """Bytes this rank sends per peer to gather the bucket (its shards, compute dtype)."""
+        """Bytes this rank sends per peer to gather the bucket exactly (its shards, compute
+        dtype), which its gathered copy holds per rank; a compressed gather sends less."""
         return self.numel * self.compute_dtype.itemsize
+
+    @property
+    def gather_wire(self) -> str:
+        """The wire format of this bucket's gathers: `Compression.frozen_weights`' when none
+        of its parameters requires grad now (a frozen unit, or a fine-tuned unit's frozen
+        base, which wrap buckets apart), else `Compression.weights`'."""
+        if self.compression is None:
+            return "exact"
+        frozen = not any(p.param.requires_grad for p in self.params)
+        return self.compression.wire_for("frozen_weights" if frozen else "weights")
+
+    @property
+    def reduce_wire(self) -> str:
+        """The wire format of this bucket's gradient reductions."""
+        return "exact" if self.compression is None else self.compression.wire_for("gradients")
+
+    @property
+    def block_size(self) -> int:
+        return 256 if self.compression is None else self.compression.block_size
 
     def start_gather(self, *, async_op: bool) -> None:
         start_gathers([self], async_op=async_op)
@@ -307,7 +330,8 @@ class Bucket:
         self._clear_placeholders()
         request = self._reduce_request(grads, self.accumulated_grad)
         self.accumulated_grad = None  # consumed by the reduction
-        handle = unit_comm.start_reduction(request, self.mesh, hold=defer, track=_grad_track)
+        handle = unit_comm.start_reduction(request, self.mesh, hold=defer, track=_grad_track,
+                                           wire=self.reduce_wire, block_size=self.block_size)
         return PendingReduction(self, unused, write, handle)
 
     def drop_accumulated_grad(self) -> None:
@@ -331,14 +355,16 @@ def start_gathers(buckets: Sequence[Bucket], *, async_op: bool) -> None:
     share one shard group."""
     todo = [b for b in dict.fromkeys(buckets) if not b.in_flight]  # a unit may come twice
     requests = [(b, req) for b in todo if (req := b._prepare_gather()) is not None]
-    if not requests:
-        return
-    handles = unit_comm.gather_params(
-        [req for _, req in requests], requests[0][0].mesh.shard, async_op=async_op,
-        track=lambda t: track(t, "param"),
-    )
-    for (b, _), handle in zip(requests, handles):
-        b._gather_handle = handle
+    by_wire: dict[tuple[str, int], list[tuple[Bucket, GatherRequest]]] = {}
+    for b, req in requests:  # one call per wire format (formats never share an exchange)
+        by_wire.setdefault((b.gather_wire, b.block_size), []).append((b, req))
+    for (wire, block_size), group in by_wire.items():
+        handles = unit_comm.gather_params(
+            [req for _, req in group], group[0][0].mesh.shard, async_op=async_op,
+            track=lambda t: track(t, "param"), wire=wire, block_size=block_size,
+        )
+        for (b, _), handle in zip(group, handles):
+            b._gather_handle = handle
 
 
 class PendingReduction:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fullshard.config import FSDPBucketingStrategy, MixedPrecision, ShardingPlan
+from fullshard.config import Compression, FSDPBucketingStrategy, MixedPrecision, ShardingPlan
 from fullshard.distributed import comm
 from fullshard.distributed.mesh import ShardMesh
 from fullshard.engine.activation_checkpoint import apply_activation_checkpointing
@@ -75,6 +75,7 @@ def shard_module(
     ignored: Ignored | None = None,
     param_init_fn: Callable[[nn.Module], object] | None = None,
     reshard_unit: Callable[[nn.Module], bool | None] | None = None,
+    compression: Compression | None = None,
 ) -> Runtime:
     ignored = ignored or Ignored()
     unit_choice = choose_units(model, auto_wrap_policy, ignored)
@@ -108,6 +109,7 @@ def shard_module(
                 reduce_dtype=spec.reduce_dtype,
                 offload=offload,
                 keep_low_precision_grads=spec.keep_low_precision_grads,
+                compression=compression,
             )
             _fill_bucket(bucket, spec.params, mesh, broadcast_from, shard_rank_of_global)
             for sp in params:

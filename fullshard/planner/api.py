@@ -22,7 +22,12 @@ import dataclasses
 import json
 from collections.abc import Callable, Iterable
 
-from fullshard.config import ShardingPlan, resolve_bucketing_strategy, resolve_sharding_strategy
+from fullshard.config import (
+    Compression,
+    ShardingPlan,
+    resolve_bucketing_strategy,
+    resolve_sharding_strategy,
+)
 from fullshard.distributed import comm
 from fullshard.distributed.unit_comm import small_units_bytes
 from fullshard.engine.wrap import select_units
@@ -68,6 +73,7 @@ def plan(
     search: bool | None = None,
     search_precisions: Iterable[object] | None = None,
     search_space: SearchSpace | None = None,
+    compression: object = None,
 ) -> PlanTable:
     """Per-rank memory and communication of training `model_or_factory` with fullshard.
 
@@ -101,7 +107,11 @@ def plan(
             `table.recommendation`); default: when a budget is given.
         search_precisions: precisions the search tries (default: `precision`).
         search_space: what the search varies (`planner.search.SearchSpace`).
+        compression: as `fsdp()` takes it ("int8", "bf16", a `Compression`): the gathers'
+            and reductions' bytes are priced in its wire formats (the time model and the
+            search price exact bytes); NO_SHARD rows are n/a with it.
     """
+    wire = Compression.coerce(compression)
     sizes = _world_sizes(world_sizes)
     if backend is None:
         local = isinstance(hardware, str) and hardware.strip().lower() == "local"
@@ -163,6 +173,10 @@ def plan(
                 rows.append(PlanRow(n, name, None, applicable=False, note=note))
                 continue
             shard = mesh[1]
+            if wire is not None and shard == 1 and mesh[0] > 1:
+                rows.append(PlanRow(n, name, None, applicable=False,
+                                    note="compression does not apply to NO_SHARD"))
+                continue
             if shard not in costs_by_shard:
                 costs_by_shard[shard] = unit_costs(structure, shard, precision_spec, backend)
             state = model_state_bytes(structure, shard, precision_spec, optim)
@@ -180,6 +194,7 @@ def plan(
                 comm_bytes_by_kind=comm_bytes(
                     structure, mesh, sp.reshard_after_forward, precision_spec, backend,
                     packed_sum_bytes=comm.COALESCE_BYTES if backend == "gloo" else 0,
+                    compression=wire,
                 ),
             )
             if budget_bytes is not None:
@@ -427,6 +442,8 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
                    "--budget)")
     p.add_argument("--no-search", dest="search", action="store_false",
                    help="only the per-strategy table")
+    p.add_argument("--compression", default=None, metavar="int8|bf16",
+                   help="price gathers and reductions in this wire format (default: exact)")
     p.add_argument("--json", action="store_true", help="print the table as JSON")
     p.set_defaults(handler=_handler(p))
 
@@ -464,6 +481,7 @@ def _handler(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace, object
                 backend=args.backend,
                 ranks_per_node=args.ranks_per_node,
                 attention=args.attention,
+                compression=args.compression,
             )
         except (ValueError, TypeError) as e:
             p.error(str(e))

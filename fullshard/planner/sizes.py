@@ -60,11 +60,13 @@ import torch
 from torch import nn
 
 from fullshard.config import (
+    Compression,
     FSDPBucketingStrategy,
     MixedPrecision,
     mixed_precision_for,
     resolve_precision,
 )
+from fullshard.distributed.wire_format import wire_nbytes
 from fullshard.engine.layout import ShardLayout
 from fullshard.engine.mixed_precision import bucket_dtypes
 from fullshard.engine.sharding import unit_specs
@@ -305,16 +307,20 @@ def comm_bytes(
     precision: PrecisionSpec,
     backend: str = "nccl",
     packed_sum_bytes: int = 0,
+    compression: Compression | None = None,
 ) -> dict[str, int]:
     """Wire bytes the busiest rank sends per step, by collective kind (module docstring).
 
     Each collective is rounded down as `fullshard.distributed.comm` counts it, so on the same
     model and mesh these are the numbers `comm_stats()` reports for one training step.
     `packed_sum_bytes`: gloo's `comm.COALESCE_BYTES` (0 for NCCL), up to which an all-reduce
-    sends its whole tensor to each of the R - 1 peers in one message.
+    sends its whole tensor to each of the R - 1 peers in one message. With `compression`, a
+    compressed gather or shard-axis reduction sends each peer `wire_nbytes(L)` (the encoded
+    padded shard; a reduction's all-to-all row); the replicate axis stays exact.
     """
     replicate, shard = mesh
     out = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    block = 256 if compression is None else compression.block_size
     for i, unit in enumerate(structure.units):
         # ZeRO-3 gathers a unit again for backward; the root stays gathered into backward,
         # so it is gathered once. See [Note: the root stays gathered] in engine/unit.py.
@@ -322,12 +328,20 @@ def comm_bytes(
         for b in unit.buckets:
             _, compute, reduce = precision.dtypes(b)
             flat = b.padded_shard_numel(shard)
-            if shard > 1:
+            weights = "weights" if b.requires_grad else "frozen_weights"
+            wire = "exact" if compression is None else compression.wire_for(weights)
+            if shard > 1 and wire != "exact":
+                out["all_gather"] += gathers * wire_nbytes(flat, wire, block_size=block) * (
+                    shard - 1)
+            elif shard > 1:
                 n = shard * flat * size_of(compute)
                 out["all_gather"] += gathers * int(n * (shard - 1) / shard)
             if not b.requires_grad:
                 continue
-            if shard > 1 and backend == "gloo":
+            wire = "exact" if compression is None else compression.wire_for("gradients")
+            if shard > 1 and wire != "exact":
+                out["reduce_scatter"] += wire_nbytes(flat, wire, block_size=block) * (shard - 1)
+            elif shard > 1 and backend == "gloo":
                 unsent = sum(b.local_numels(shard, shard - 1))  # its own rows stay home
                 out["reduce_scatter"] += (b.numel - unsent) * size_of(reduce)
             elif shard > 1:
