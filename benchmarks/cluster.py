@@ -102,7 +102,8 @@ def launch(net: EmulatedCluster, impl: str, *, nproc: int = 1, config: str = "A"
         raise RunFailed(f"{impl} timed out after {RUN_TIMEOUT_S:.0f} s")
     codes = [p.returncode for p in procs]
     if any(codes) or not out.exists():
-        tail = "\n".join(log.read_text().splitlines()[-15:] for log in logs if log.exists())
+        tail = "\n".join("\n".join(log.read_text().splitlines()[-15:])
+                         for log in logs if log.exists())
         raise RunFailed(f"{impl}: launchers exited {codes}\n{tail}")
     return json.loads(out.read_text().splitlines()[-1])
 

@@ -50,6 +50,22 @@ EXTRA_IMPLS = {
         "fullshard HYBRID_SHARD (shard within a host, replicate across), bucketing BLOCK",
         nproc=4, threads=1, comm_words=0, sharded_state=True,
         options={"sharding_strategy": "HYBRID_SHARD", "bucketing_strategy": "BLOCK"}),
+    # compressed collectives (cluster_compression.py) and their fair peer
+    "fullshard-full_shard-block-int8w": Impl(
+        "fullshard-full_shard-block-int8w", "fullshard",
+        "fullshard FULL_SHARD, bucketing BLOCK, weights gathered int8", nproc=2, threads=1,
+        comm_words=0, sharded_state=True,
+        options={"sharding_strategy": "FULL_SHARD", "bucketing_strategy": "BLOCK",
+                 "compression": {"weights": "int8"}}),
+    "fullshard-full_shard-block-int8wg": Impl(
+        "fullshard-full_shard-block-int8wg", "fullshard",
+        "fullshard FULL_SHARD, bucketing BLOCK, weights and gradients int8", nproc=2,
+        threads=1, comm_words=0, sharded_state=True,
+        options={"sharding_strategy": "FULL_SHARD", "bucketing_strategy": "BLOCK",
+                 "compression": {"weights": "int8", "gradients": "int8"}}),
+    "ddp-bf16hook": Impl(
+        "ddp-bf16hook", "ddp", "torch DDP, bf16_compress_hook's all-reduce in bf16", nproc=2,
+        threads=1, comm_words=1, sharded_state=False, options={"comm_hook": "bf16"}),
 }
 CLUSTER_IMPLS = {**IMPLS_BY_NAME, **EXTRA_IMPLS}
 

@@ -185,13 +185,19 @@ def _torch_trainer(forward: Callable[[torch.Tensor], torch.Tensor], model: nn.Mo
 
 
 def _ddp(impl: Impl, model: nn.Module, world: int) -> Trainer:
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = DistributedDataParallel(model)
-    # The C++ reducer's own all-reduce bypasses torch.distributed's Python functions; this hook
-    # does the same averaging through dist.all_reduce, so comm_count sees it.
-    ddp.register_comm_hook(None, allreduce_hook)
+    # The C++ reducer's own all-reduce bypasses torch.distributed's Python functions; these
+    # hooks average through dist.all_reduce, so comm_count sees it. "bf16": gradients
+    # all-reduced in bf16, the peer of compressed gradients: torch's `bf16_compress_hook`
+    # refuses anything but CUDA/NCCL, so this calls what it runs after that check.
+    def bf16_allreduce_hook(state, bucket):  # unannotated: DDP checks them
+        return default_hooks._compress_hook(torch.bfloat16, state, bucket)
+
+    hooks = {None: default_hooks.allreduce_hook, "bf16": bf16_allreduce_hook}
+    ddp.register_comm_hook(None, hooks[impl.options.get("comm_hook")])
     return _torch_trainer(ddp, model)
 
 
@@ -216,15 +222,18 @@ def _fullshard(impl: Impl, model: nn.Module, world: int) -> Trainer:
 
     import fullshard
 
+    options = dict(impl.options)
+    if isinstance(options.get("compression"), dict):  # plain data in `Impl`, built here
+        options["compression"] = fullshard.Compression(**options["compression"])
     if impl.split_root:
         units = (model.tok_emb, model.head)
         head = model.head
         model = fullshard.fsdp(
             model, device="cpu",
             auto_wrap_policy=lambda m, recurse, n: recurse or isinstance(m, Block) or m in units,
-            reshard_after_forward=lambda m: False if m is head else None, **impl.options)
+            reshard_after_forward=lambda m: False if m is head else None, **options)
     else:
-        model = fullshard.fsdp(model, device="cpu", auto_wrap_policy={Block}, **impl.options)
+        model = fullshard.fsdp(model, device="cpu", auto_wrap_policy={Block}, **options)
     return _torch_trainer(model, model)
 
 

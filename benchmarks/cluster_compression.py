@@ -1,0 +1,203 @@
+"""Compressed collectives on an emulated cluster: step time, link bytes and loss against exact.
+
+    sudo python benchmarks/cluster_compression.py --config B --rates 1000 200 --reps 3
+    python benchmarks/cluster_compression.py --render results/<date>-cluster-compression.json
+
+Two hosts (network namespaces, one rank each, tbf-shaped veth links: `cluster_net.py`), every
+rank `cluster_worker.py` under `fullshard run`, as `cluster.py` runs them. At each `--rates`
+link speed, `--reps` interleaved repetitions of every implementation of `IMPLS`:
+
+- fullshard FULL_SHARD exact; with `Compression(weights="int8")`; with weights and gradients
+  int8 (block 256: fullshard/distributed/wire_format.py);
+- torch DDP plain, and with its gradients all-reduced in bf16 (what torch's
+  `bf16_compress_hook` runs; the peer of compressed gradients);
+- torch FSDP2 (its default, the root kept gathered into backward, like fullshard's).
+
+Per row: step time (median of a run's measured steps, per-step max over ranks; over reps
+median [min-max]); the step against DDP's and against DDP-bf16's of the same rep; the bytes the
+busiest link direction carried per step, and against exact FULL_SHARD's; carried / counted
+(veth tx over what the ranks counted: fullshard's `comm_stats()`, the c10d wrapper for the
+others); the last step's loss and its relative difference from exact FULL_SHARD's (every
+implementation trains the same seeded model on the same batches). Root is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import cluster_report as report
+import torch
+from cluster import RunFailed, _git, _uptime, launch
+from cluster_net import EmulatedCluster, NetnsUnavailable
+
+HERE = Path(__file__).resolve().parent
+EXACT, DDP, DDP_BF16 = "fullshard-full_shard-block", "ddp", "ddp-bf16hook"
+INT8W, INT8WG = "fullshard-full_shard-block-int8w", "fullshard-full_shard-block-int8wg"
+IMPLS = (EXACT, INT8W, INT8WG, DDP, DDP_BF16, "fsdp2-default")
+TARGETS = {1000.0: (0.90, 1.00), 200.0: (0.60, 0.90)}
+"""Per link rate: int8 weights and gradients at most this times DDP's step, and DDP-bf16's."""
+BYTES_TARGET = 0.40
+"""int8 weights and gradients: link bytes per step at most this times exact FULL_SHARD's."""
+
+
+def run(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
+    records: list[dict[str, Any]] = []
+    failures: list[dict[str, Any]] = []
+    links: dict[str, float] = {}
+    out: dict[str, Any] = {"records": records, "failures": failures, "links": links}
+    try:
+        with EmulatedCluster(2, rate_mbit=None) as net:
+            for rate in args.rates:
+                net.set_rate(rate)
+                links[str(rate)] = round(net.measure_link(1, 0, 20.0), 1)
+                out.setdefault("net", {})[str(rate)] = net.describe()
+                print(f"== {rate:g} Mbit/s (TCP measured {links[str(rate)]})", flush=True)
+                for rep in range(1, args.reps + 1):
+                    for impl in args.impls:
+                        try:
+                            rec = launch(net, impl, config=args.config, steps=args.steps,
+                                         warmup=args.warmup, scratch=scratch)
+                        except RunFailed as e:
+                            failures.append({"impl": impl, "rate": rate, "rep": rep,
+                                             "error": str(e)[-3000:]})
+                            print(f"  {impl} rep {rep} FAILED: {str(e)[-1500:]}", flush=True)
+                            continue
+                        rec.update(rate=rate, rep=rep)
+                        records.append(rec)
+                        print(f"  rep {rep} {impl:34s} {report.step_time(rec):.3f} s/step, "
+                              f"{report.link_bytes_per_step(rec) / 1e6:.1f} MB/step, "
+                              f"loss {rec['losses'][-1]:.5f}", flush=True)
+    except KeyboardInterrupt:
+        print("\ninterrupted: reporting the runs that finished")
+    return out
+
+
+def _ratios(recs: list[dict[str, Any]], impl: str, peer: str, rate: float) -> list[float]:
+    by = {(r["impl"], r["rep"]): r for r in recs if r["rate"] == rate}
+    return [report.step_time(r) / report.step_time(by[(peer, r["rep"])])
+            for (i, rep), r in by.items() if i == impl and (peer, rep) in by]
+
+
+def summarize(section: dict[str, Any]) -> list[dict[str, Any]]:
+    recs = section["records"]
+    rows = []
+    for rate in dict.fromkeys(r["rate"] for r in recs):
+        exact = [r for r in recs if r["rate"] == rate and r["impl"] == EXACT]
+        exact_bytes = statistics.median(report.link_bytes_per_step(r) for r in exact) \
+            if exact else float("nan")
+        exact_loss = exact[0]["losses"][-1] if exact else float("nan")
+        for impl in dict.fromkeys(r["impl"] for r in recs if r["rate"] == rate):
+            mine = [r for r in recs if r["rate"] == rate and r["impl"] == impl]
+            per_step = statistics.median(report.link_bytes_per_step(r) for r in mine)
+            loss = statistics.median(r["losses"][-1] for r in mine)
+            vs_ddp, vs_bf16 = _ratios(recs, impl, DDP, rate), _ratios(recs, impl, DDP_BF16, rate)
+            rows.append({
+                "rate": rate, "impl": impl,
+                "step": report._spread([report.step_time(r) for r in mine]),
+                "vs_ddp": report._spread(vs_ddp) if vs_ddp else None,
+                "vs_ddp_bf16": report._spread(vs_bf16) if vs_bf16 else None,
+                "link_mb": per_step / 1e6, "link_vs_exact": per_step / exact_bytes,
+                "carried_over_counted": statistics.median(
+                    report.carried_over_counted(r) for r in mine),
+                "loss": loss, "loss_rel_vs_exact": abs(loss - exact_loss) / abs(exact_loss),
+            })
+    return rows
+
+
+def render(doc: dict[str, Any]) -> str:
+    meta, rows = doc["meta"], summarize(doc)
+    lines = ["# Compressed collectives on an emulated cluster (2 hosts x 1 rank)", "",
+             report.describe_config(meta["config"]), ""]
+    lines += report._meta_lines(meta)
+    lines += ["- links: " + "; ".join(f"{k} Mbit/s tbf, TCP measured {v} Mbit/s"
+                                       for k, v in doc["links"].items()), ""]
+    cols = ["link Mbit/s", "implementation", "step s", "/ DDP (same rep)",
+            "/ DDP-bf16 (same rep)", "link MB/step", "bytes / exact", "carried / counted",
+            f"loss at step {meta['steps']}", "loss vs exact"]
+    table = [[f"{r['rate']:g}", r["impl"], report._s(r["step"]), report._s(r["vs_ddp"], 2),
+              report._s(r["vs_ddp_bf16"], 2), f"{r['link_mb']:.1f}",
+              f"{r['link_vs_exact']:.3f}", f"{r['carried_over_counted']:.3f}",
+              f"{r['loss']:.5f}", f"{r['loss_rel_vs_exact']:.1e}"] for r in rows]
+    lines += [report._table(cols, table), "", "## Targets", ""]
+    for r in rows:
+        if r["impl"] != INT8WG:
+            continue
+        ddp_x, bf16_x = TARGETS.get(r["rate"], (None, None))
+        if ddp_x is not None and r["vs_ddp"] and r["vs_ddp_bf16"]:
+            got, got_bf16 = r["vs_ddp"]["median"], r["vs_ddp_bf16"]["median"]
+            lines.append(f"- {r['rate']:g} Mbit/s: int8 weights+gradients {got:.2f}x DDP "
+                         f"(target <= {ddp_x}: {'met' if got <= ddp_x else 'missed'}), "
+                         f"{got_bf16:.2f}x DDP-bf16 (target <= {bf16_x}: "
+                         f"{'met' if got_bf16 <= bf16_x else 'missed'})")
+        lines.append(f"- {r['rate']:g} Mbit/s: link bytes {r['link_vs_exact']:.3f}x exact "
+                     f"FULL_SHARD's (target <= {BYTES_TARGET}: "
+                     f"{'met' if r['link_vs_exact'] <= BYTES_TARGET else 'missed'}); carried / "
+                     f"counted {r['carried_over_counted']:.3f} (target 1 +- 0.01)")
+    for f in doc.get("failures", []):
+        lines.append(f"- FAILED: {f['impl']} at {f['rate']:g} Mbit/s rep {f['rep']}")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rates", type=float, nargs="+", default=[1000.0, 200.0])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--config", choices=("A", "B"), default="B")
+    p.add_argument("--impls", nargs="+", default=list(IMPLS))
+    p.add_argument("--results-dir", type=Path, default=HERE / "results")
+    p.add_argument("--no-record", action="store_true")
+    p.add_argument("--render", type=Path, default=None, help="re-render a JSON record and exit")
+    args = p.parse_args()
+    if args.steps < 2 or not 1 <= args.warmup < args.steps:
+        p.error(f"need --steps >= 2 and 1 <= --warmup < --steps, got {args.steps}/{args.warmup}")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    if args.render is not None:
+        print(render(json.loads(args.render.read_text())))
+        return 0
+    meta = {
+        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "cpu_count": os.cpu_count(), "platform": platform.platform(),
+        "python": sys.version.split()[0], "torch": torch.__version__,
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "uptime_start": _uptime(), "config": args.config, "micro_batch": 4,
+        "steps": args.steps, "warmup": args.warmup,
+    }
+    start = time.perf_counter()
+    try:
+        with tempfile.TemporaryDirectory(prefix="cluster-compression-") as tmp:
+            section = {"meta": meta, **run(args, Path(tmp))}
+    except NetnsUnavailable as e:
+        print(f"cluster_compression.py: cannot build the emulated cluster: {e}", file=sys.stderr)
+        return 2
+    meta["uptime_end"], meta["wall_s"] = _uptime(), round(time.perf_counter() - start, 1)
+    text = render(section)
+    print("\n" + text)
+    if not args.no_record:
+        args.results_dir.mkdir(parents=True, exist_ok=True)
+        path = args.results_dir / f"{datetime.date.today().isoformat()}-cluster-compression.json"
+        path.write_text(json.dumps(section, indent=1) + "\n")
+        path.with_suffix(".md").write_text(text)
+        print(f"wrote {path} and {path.with_suffix('.md')}")
+    return 1 if section["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
