@@ -352,7 +352,9 @@ class Compression:
       arrival (ZeRO++'s qwZ for "int8");
     - `gradients`: reductions, each rank's chunks quantized, exchanged, dequantized and summed
       in fp32 (ZeRO++'s qgZ for "int8"; never summed in int8);
-    - `frozen_weights`: gathers of units whose parameters are all frozen (a fine-tuned base);
+    - `frozen_weights`: gathers of buckets whose parameters all have `requires_grad=False`
+      at this step (a frozen unit; a fine-tuned unit's frozen base, which wrap buckets
+      apart from its trainable parameters);
     - `block_size`: elements per int8 block, each with its own fp32 scale: the error of an
       element is at most its block's absmax/254, and the scales cost 4/block_size bytes per
       element.

@@ -442,6 +442,8 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
                    "--budget)")
     p.add_argument("--no-search", dest="search", action="store_false",
                    help="only the per-strategy table")
+    p.add_argument("--compression", default=None, metavar="int8|bf16",
+                   help="price gathers and reductions in this wire format (default: exact)")
     p.add_argument("--json", action="store_true", help="print the table as JSON")
     p.set_defaults(handler=_handler(p))
 
@@ -479,6 +481,7 @@ def _handler(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace, object
                 backend=args.backend,
                 ranks_per_node=args.ranks_per_node,
                 attention=args.attention,
+                compression=args.compression,
             )
         except (ValueError, TypeError) as e:
             p.error(str(e))

@@ -360,3 +360,33 @@ def test_strategy_passes_a_per_unit_reshard_after_forward(world1):
     model = strategy.setup_module(_model())
     flags = [u.reshard_after_forward for u in model.fullshard_runtime.units]
     assert flags == [False] + [True] * (len(flags) - 1) and len(flags) > 1
+
+
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        ("int4", ValueError, r"compression='int4' is not a wire format; use 'int8', 'bf16'"),
+        (8, TypeError, r"compression must be a Compression, .* got int 8"),
+        ({"weights": "int8"}, TypeError, r"compression must be a Compression, .* got dict"),
+    ],
+)
+def test_compression_names_what_was_found_and_the_fix(world1, bad, error, match):
+    with pytest.raises(error, match=match):
+        fullshard.fsdp(_model(), device="cpu", compression=bad)
+    with pytest.raises(error, match=match):
+        fullshard.FSDPStrategy(compression=bad)
+
+
+def test_compression_is_exported_and_reaches_the_strategy():
+    assert fullshard.Compression(weights="int8").wire_for("gradients") == "exact"
+    assert fullshard.FSDPStrategy(compression="int8").compression == fullshard.Compression(
+        weights="int8", gradients="int8", frozen_weights="int8")
+    assert fullshard.FSDPStrategy().compression is None
+
+
+def test_compression_on_one_rank_is_accepted_nothing_travels(world1):
+    # the counterpart of NO_SHARD's refusal (tests/distributed/test_compression.py): with
+    # one rank there is no traffic to leave uncompressed
+    model = fullshard.fsdp(_model(), device="cpu", compression="int8")
+    model(torch.randn(2, 4)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())

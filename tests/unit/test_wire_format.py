@@ -192,3 +192,17 @@ def test_compression_shorthand_and_wire_names():
         Compression.coerce(8)
     with pytest.raises(ValueError, match="traffic 'grads'"):
         only.wire_for("grads")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+def test_negative_zero_survives_so_a_reduction_keeps_the_unused_mark(fmt):
+    # engine/bucket.py's unused_grad: a parameter no rank used is all -0.0 after the sum
+    x = torch.tensor([-0.0, 0.0, 1.5, -0.0, -2.0] + [-0.0] * 300)
+    back = decode(encode(x, fmt, block_size=32), x.numel(), torch.float32, fmt, block_size=32)
+    assert torch.equal(back.signbit(), x.signbit()) and bool((back[5:] == 0).all())
+    unused = torch.full((2, 64), -0.0)
+    unused[1, :3] = 0.25  # rank 1 used the first three elements
+    total = reduce_encoded(encode(unused, fmt, block_size=32), 64, torch.float32, fmt,
+                           block_size=32, divisor=2)
+    assert bool(total[3:].signbit().all()) and bool((total[3:] == 0).all())
+    assert total[:3].tolist() == [0.125] * 3
