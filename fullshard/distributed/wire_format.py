@@ -36,7 +36,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 WIRE_FORMATS = ("exact", "bf16", "int8")
 
@@ -46,6 +45,7 @@ NEGATIVE_ZERO = -128
 """The int8 code of an element that is exactly -0.0 (quantized values use -127..127): it
 decodes to -0.0, so a reduction keeps the engine's mark of a gradient no rank produced (all
 -0: engine/bucket.py's `unused_grad`), which a plain 0 would turn into +0."""
+_NEGATIVE_ZERO_BITS = -(2**31)  # -0.0 as an int32 view: only the sign bit set
 
 
 def _check(fmt: str, block_size: int) -> None:
@@ -101,25 +101,35 @@ def encode(tensor: torch.Tensor, fmt: str, *, block_size: int = 256) -> torch.Te
 
 def _encode_int8(rows: torch.Tensor, block_size: int) -> torch.Tensor:
     n_rows, numel = rows.shape
-    nblocks = _nblocks(numel, block_size)
-    payload = _payload_nbytes(numel)
-    out = torch.zeros(n_rows, payload + 4 * nblocks, dtype=torch.uint8, device=rows.device)
+    nblocks, payload = _nblocks(numel, block_size), _payload_nbytes(numel)
+    out = torch.empty(n_rows, payload + 4 * nblocks, dtype=torch.uint8, device=rows.device)
+    out[:, numel:payload].zero_()
     if numel == 0:
         return out
-    blocks = F.pad(rows.float(), (0, nblocks * block_size - numel)).view(
-        n_rows, nblocks, block_size
-    )
-    scale = blocks.abs().amax(dim=2) / INT8_MAX  # NaN and inf propagate into the scale
-    usable = torch.isfinite(scale) & (scale > 0)
-    divisor = torch.where(usable, scale, torch.ones_like(scale))
-    q = torch.round(blocks / divisor.unsqueeze(2)).clamp_(-INT8_MAX, INT8_MAX)
-    q = torch.where((blocks == 0) & blocks.signbit(), NEGATIVE_ZERO, q)
-    # a nonfinite block sends zeros (casting NaN to int8 is undefined); its scale carries it
-    q = torch.where(torch.isfinite(scale).unsqueeze(2), q, torch.zeros_like(q))
-    q8 = q.to(torch.int8).view(n_rows, nblocks * block_size)[:, :numel]
-    out[:, :numel].copy_(q8.view(torch.uint8))
-    out[:, payload:].copy_(scale.contiguous().view(torch.uint8))
+    x = rows.float().contiguous()
+    values, scales = out[:, :numel].view(torch.int8), out[:, payload:].view(torch.float32)
+    # The whole blocks as one [rows, blocks, block_size] view, the shorter last block apart:
+    # no padded copy of the input.
+    full, n = numel // block_size, numel // block_size * block_size
+    if full:
+        shape = (n_rows, full, block_size)
+        _quantize(x[:, :n].view(shape), scales[:, :full], values[:, :n].view(shape))
+    if full < nblocks:
+        _quantize(x[:, n:].unsqueeze(1), scales[:, full:], values[:, n:].unsqueeze(1))
     return out
+
+
+def _quantize(blocks: torch.Tensor, scales: torch.Tensor, values: torch.Tensor) -> None:
+    """Write `blocks`' ([rows, n, b] fp32) scales ([rows, n]) and int8 codes ([rows, n, b])."""
+    scale = blocks.abs().amax(dim=2).div_(INT8_MAX)  # NaN and inf propagate into the scale
+    finite = torch.isfinite(scale)
+    divisor = torch.where(finite & (scale > 0), scale, 1.0)
+    q = torch.div(blocks, divisor.unsqueeze(2)).round_().clamp_(-INT8_MAX, INT8_MAX)
+    q.masked_fill_(blocks.view(torch.int32) == _NEGATIVE_ZERO_BITS, NEGATIVE_ZERO)
+    # a nonfinite block sends zeros (casting NaN to int8 is undefined); its scale carries it
+    q.masked_fill_(~finite.unsqueeze(2), 0)
+    values.copy_(q)
+    scales.copy_(scale)
 
 
 def decode(
@@ -153,13 +163,16 @@ def decode(
 
 def _decode_int8(rows: torch.Tensor, numel: int, block_size: int) -> torch.Tensor:
     n_rows = rows.shape[0]
-    nblocks = _nblocks(numel, block_size)
-    payload = _payload_nbytes(numel)
+    nblocks, payload = _nblocks(numel, block_size), _payload_nbytes(numel)
     scale = rows[:, payload:].contiguous().view(torch.float32)  # [rows, nblocks]
-    q = rows[:, :numel].view(torch.int8).float()
-    q = F.pad(q, (0, nblocks * block_size - numel)).view(n_rows, nblocks, block_size)
-    values = torch.where(q == NEGATIVE_ZERO, -0.0, q * scale.unsqueeze(2))
-    return values.view(n_rows, nblocks * block_size)[:, :numel]
+    codes = rows[:, :numel].view(torch.int8)
+    values = codes.to(torch.float32)
+    full, n = numel // block_size, numel // block_size * block_size
+    if full:
+        values[:, :n].view(n_rows, full, block_size).mul_(scale[:, :full].unsqueeze(2))
+    if full < nblocks:
+        values[:, n:].mul_(scale[:, full:])
+    return values.masked_fill_(codes == NEGATIVE_ZERO, -0.0)
 
 
 def reduce_encoded(
