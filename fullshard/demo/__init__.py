@@ -2,6 +2,7 @@
 
     fullshard demo                        # 2 CPU ranks, 300 steps, checkpoint + figure in runs/demo
     fullshard demo --resume --steps 100   # continue the previous run from its checkpoint
+    fullshard demo --compression int8     # int8 weights and gradients on the wire, beside exact
 
 `add_parser` registers the subcommand; `main(args)` validates the options before any process
 starts, launches the ranks through Lightning's Fabric with fullshard's `FSDPStrategy` (its
@@ -48,6 +49,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue from the checkpoint in --out")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compression", default="none", choices=("none", "int8", "bf16"),
+                   help="weights and gradients on the wire in this format; the exact run "
+                        "trains the same steps after it, both loss curves are reported")
     p.set_defaults(handler=main)
 
 
@@ -63,6 +67,8 @@ def _check_options(args: argparse.Namespace) -> str | None:
         resolve_bucketing_strategy(args.bucketing)
     except (ValueError, TypeError) as e:
         return str(e)
+    if args.compression != "none" and (strategy == "NO_SHARD" or args.nproc < 2):
+        return "--compression needs a shard axis: --nproc >= 2 and not NO_SHARD"
     if strategy == "HYBRID_SHARD" and args.nproc < 2:
         return "HYBRID_SHARD needs --nproc >= 2"
     if args.nproc < 1:
@@ -107,6 +113,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None
         out=args.out,
         resume=args.resume,
         seed=args.seed,
+        compression=None if args.compression == "none" else args.compression,
     )
     hybrid = {"device_mesh": (args.nproc // 2, 2)} if cfg.strategy == "HYBRID_SHARD" else {}
     strategy = FSDPStrategy(
@@ -114,6 +121,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None
         auto_wrap_policy={Block},
         bucketing_strategy=cfg.bucketing,
         state_dict_type="sharded",
+        compression=cfg.compression,
         **hybrid,
     )
     fabric = L.Fabric(

@@ -24,6 +24,8 @@ class DemoConfig:
     heads: int = 4
     lr: float = 3e-3
     seed: int = 0
+    compression: str | None = None
+    """A wire format ("int8", "bf16") for weights and gradients, trained beside the exact run."""
     out: str = "runs/demo"
     resume: bool = False
     sample_prompt: str = "Shall I compare thee"

@@ -52,6 +52,33 @@ def predicted_step_seconds(result: DemoResult) -> tuple[float, str] | None:
     return e.time.step, getattr(hardware, "name", str(hardware))
 
 
+def _sent(comm: dict[str, dict[str, int]] | None) -> int:
+    return sum(stats["wire_bytes"] for stats in (comm or {}).values())
+
+
+def _compression_lines(result: DemoResult) -> list[str]:
+    """With `--compression`: the exact run's loss and bytes beside the compressed run's."""
+    cfg = result.config
+    if not cfg.compression:
+        return []
+    if result.exact_losses is None:
+        return ["exact run beside: not run (a resumed run; it trains from step 0)"]
+    got, exact = result.losses[-1], result.exact_losses[-1]
+    diffs = [abs(a - b) for a, b in zip(result.losses, result.exact_losses)]
+    tail = max(1, len(result.exact_losses) // 10)  # one step's loss is noisy: also a mean
+    got_tail = sum(result.losses[-tail:]) / tail
+    exact_tail = sum(result.exact_losses[-tail:]) / tail
+    sent, sent_exact = _sent(result.comm_per_step), _sent(result.exact_comm_per_step)
+    return [
+        f"exact run beside ({len(result.exact_losses)} steps, same seed and batches): loss "
+        f"{exact:.3f} (last); {cfg.compression} ends {(got - exact) / exact:+.2%} from it "
+        f"(mean of the last {tail} steps: {(got_tail - exact_tail) / exact_tail:+.2%}), "
+        f"largest per-step difference {max(diffs):.3f}",
+        f"sent per step: {_mb(sent)} with {cfg.compression}, {_mb(sent_exact)} exact "
+        f"({sent / sent_exact:.2f}x)" if sent_exact else "sent per step: -",
+    ]
+
+
 def format_report(result: DemoResult, figure: str | None) -> str:
     cfg = result.config
     steps = len(result.losses) - result.first_step
@@ -61,7 +88,8 @@ def format_report(result: DemoResult, figure: str | None) -> str:
     lines = [
         "",
         f"fullshard demo: {result.world_size} ranks on {result.device}, {cfg.strategy}, "
-        f"bucketing {cfg.bucketing}, precision {cfg.precision}",
+        f"bucketing {cfg.bucketing}, precision {cfg.precision}"
+        + (f", weights and gradients {cfg.compression} on the wire" if cfg.compression else ""),
         f"model: byte-level GPT, {result.params / 1e6:.2f}M parameters ({cfg.layers} blocks, "
         f"width {cfg.dim}), batch {cfg.batch} x {cfg.seq} bytes, AdamW lr {cfg.lr}",
         f"steps {result.first_step} -> {len(result.losses)} in {result.seconds:.1f} s "
@@ -69,6 +97,7 @@ def format_report(result: DemoResult, figure: str | None) -> str:
         f"loss: {result.losses[result.first_step]:.3f} (first step of this run) -> "
         f"{result.losses[-1]:.3f} (last)"
         + (f"; {result.losses[0]:.3f} at step 0" if result.first_step else ""),
+        *_compression_lines(result),
         "",
         "sample (temperature 0.8):",
         "  " + result.sample.replace("\n", "\n  "),
@@ -110,7 +139,13 @@ def write_figure(result: DemoResult, path: Path) -> str | None:
     except ImportError:
         return None
     fig, (ax_loss, ax_mem) = plt.subplots(1, 2, figsize=(10, 3.8))
-    ax_loss.plot(range(len(result.losses)), result.losses, lw=1.2)
+    compression = result.config.compression
+    ax_loss.plot(range(len(result.losses)), result.losses, lw=1.2,
+                 label=f"{compression} on the wire" if compression else None)
+    if result.exact_losses is not None:
+        ax_loss.plot(range(len(result.exact_losses)), result.exact_losses, lw=1.0,
+                     ls="--", color="tab:orange", label="exact")
+        ax_loss.legend()
     if result.first_step:
         ax_loss.axvline(result.first_step, color="grey", ls="--", lw=0.8, label="resumed")
         ax_loss.legend()
@@ -121,7 +156,8 @@ def write_figure(result: DemoResult, path: Path) -> str | None:
     ax_mem.bar(names, values, color=colors)
     ax_mem.set(ylabel="MiB", title="model state (params + grads + AdamW)")
     fig.suptitle(
-        f"fullshard {result.config.strategy}, {result.world_size} ranks", fontsize=10
+        f"fullshard {result.config.strategy}, {result.world_size} ranks"
+        + (f", {compression} on the wire beside exact" if compression else ""), fontsize=10
     )
     fig.tight_layout()
     fig.savefig(path, dpi=120)

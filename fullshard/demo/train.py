@@ -45,6 +45,9 @@ class DemoResult:
     link: dict[str, float] | None = None
     """The ranks' loopback link and engine overhead (`planner.hardware.measure_link`), for the
     predicted step time on this machine."""
+    exact_losses: list[float] | None = None
+    """With `--compression`: the same steps trained exact, beside (None when resumed)."""
+    exact_comm_per_step: dict[str, dict[str, int]] | None = None
 
 
 def _state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -73,37 +76,47 @@ def sample(model: TinyGPT, cfg: DemoConfig, device: torch.device) -> str:
     return decode(ids[0].tolist())
 
 
-def _progress(total: int, initial: int, enabled: bool) -> Any:
+def _progress(total: int, initial: int, enabled: bool, desc: str) -> Any:
     if not enabled:
         return None
     try:
         from tqdm import tqdm
     except ImportError:
         return None
-    return tqdm(total=total, initial=initial, desc="training", unit="step", dynamic_ncols=True)
+    return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True)
 
 
-def train(fabric: L.Fabric, cfg: DemoConfig) -> DemoResult | None:
-    rank, world = fabric.global_rank, fabric.world_size
-    if fabric.device.type == "cpu":  # share the cores between the local ranks
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+@dataclass
+class _Run:
+    """What one training run measured."""
+
+    losses: list[float]
+    comm_step: dict[str, dict[str, int]]
+    peak: int
+    state_bytes: int
+    seconds: float
+
+
+def _setup(fabric: L.Fabric, cfg: DemoConfig) -> tuple[Any, Any, int]:
+    """The seeded model and its optimizer, set up by the strategy; and the parameter count."""
     torch.manual_seed(cfg.seed)
     with fabric.init_module():
         model = build_model(cfg)
     params = sum(p.numel() for p in model.parameters())
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=cfg.lr))
-    ckpt = Path(cfg.out) / "checkpoint"
-    first, losses = 0, []
-    if cfg.resume:
-        rest = fabric.load(ckpt, {"model": model, "optimizer": optimizer})
-        first, losses = int(rest["step"]), list(rest["losses"])
+    return model, optimizer, params
+
+
+def _train_steps(fabric: L.Fabric, cfg: DemoConfig, model: Any, optimizer: Any, first: int,
+                 losses: list[float], desc: str) -> _Run:
+    """Steps `first` .. `first + cfg.steps` on the demo's batches, appending to `losses`."""
+    rank, world = fabric.global_rank, fabric.world_size
     corpus = load_corpus()
     last = first + cfg.steps
-    bar = _progress(last, first, fabric.is_global_zero)
+    bar = _progress(last, first, fabric.is_global_zero, desc)
     comm_step: dict[str, dict[str, int]] = {}
-    state_bytes = 0
+    state_bytes = peak = 0
     start = time.perf_counter()
     for step in range(first, last):
         t0 = time.perf_counter()
@@ -132,10 +145,40 @@ def train(fabric: L.Fabric, cfg: DemoConfig) -> DemoResult | None:
     seconds = time.perf_counter() - start
     if bar is not None:
         bar.close()
-    fabric.save(ckpt, {"model": model, "optimizer": optimizer, "step": last, "losses": losses})
+    return _Run(losses, comm_step, peak, state_bytes, seconds)
+
+
+def _exact_beside(fabric: L.Fabric, cfg: DemoConfig) -> _Run:
+    """The same steps from the same seed with nothing compressed: the run a compressed one is
+    judged against (the strategy's `compression` is read by each `setup_module`)."""
+    strategy = fabric.strategy
+    compression, strategy.compression = strategy.compression, None
+    try:
+        model, optimizer, _ = _setup(fabric, cfg)
+        return _train_steps(fabric, cfg, model, optimizer, 0, [], "exact run")
+    finally:
+        strategy.compression = compression
+
+
+def train(fabric: L.Fabric, cfg: DemoConfig) -> DemoResult | None:
+    world = fabric.world_size
+    if fabric.device.type == "cpu":  # share the cores between the local ranks
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    model, optimizer, params = _setup(fabric, cfg)
+    ckpt = Path(cfg.out) / "checkpoint"
+    first, losses = 0, []
+    if cfg.resume:
+        rest = fabric.load(ckpt, {"model": model, "optimizer": optimizer})
+        first, losses = int(rest["step"]), list(rest["losses"])
+    desc = f"training ({cfg.compression} on the wire)" if cfg.compression else "training"
+    run = _train_steps(fabric, cfg, model, optimizer, first, losses, desc)
+    fabric.save(ckpt, {"model": model, "optimizer": optimizer, "step": first + cfg.steps,
+                       "losses": losses})
     text = sample(model, cfg, fabric.device)
-    per_rank = comm.all_gather_object(state_bytes, model.fullshard_runtime.mesh.world)
+    per_rank = comm.all_gather_object(run.state_bytes, model.fullshard_runtime.mesh.world)
     link = measure_link() if fabric.device.type == "cpu" and world > 1 else None
+    exact = _exact_beside(fabric, cfg) if cfg.compression and not first else None
     if not fabric.is_global_zero:
         return None
     return DemoResult(
@@ -144,12 +187,14 @@ def train(fabric: L.Fabric, cfg: DemoConfig) -> DemoResult | None:
         device=str(fabric.device),
         first_step=first,
         losses=losses,
-        seconds=seconds,
+        seconds=run.seconds,
         params=params,
         state_bytes_per_rank=per_rank,
-        comm_per_step=comm_step,
-        peak_unsharded_bytes=peak,
+        comm_per_step=run.comm_step,
+        peak_unsharded_bytes=run.peak,
         checkpoint=str(ckpt),
         sample=text,
         link=link,
+        exact_losses=exact.losses if exact else None,
+        exact_comm_per_step=exact.comm_step if exact else None,
     )

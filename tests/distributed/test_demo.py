@@ -21,10 +21,14 @@ def _demo(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def test_demo_trains_saves_plots_and_resumes(tmp_path: Path) -> None:
+    """The first run compresses the wire (and trains the exact run beside it); the resumed
+    run is exact, from the compressed run's full-precision checkpoint."""
     out = tmp_path / "run"
-    first = _demo("--steps", "6", "--out", str(out))
+    first = _demo("--steps", "6", "--out", str(out), "--compression", "int8")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "steps 0 -> 6" in first.stdout
+    assert "weights and gradients int8 on the wire" in first.stdout
+    assert "exact run beside (6 steps, same seed and batches)" in first.stdout
     assert "model state per rank" in first.stdout and "rank 1:" in first.stdout
     assert (out / "checkpoint").exists()
     try:
@@ -37,6 +41,7 @@ def test_demo_trains_saves_plots_and_resumes(tmp_path: Path) -> None:
     resumed = _demo("--steps", "4", "--out", str(out), "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "steps 6 -> 10" in resumed.stdout  # continued from the saved step
+    assert "on the wire" not in resumed.stdout
 
 
 @pytest.mark.parametrize(
@@ -46,6 +51,7 @@ def test_demo_trains_saves_plots_and_resumes(tmp_path: Path) -> None:
         (["--nproc", "0"], "--nproc must be >= 1, got 0"),
         (["--bucketing", "ROW"], "Unknown bucketing strategy 'ROW'"),
         (["--out", "/proc/fullshard-demo"], "is not writable"),
+        (["--compression", "int8", "--strategy", "NO_SHARD"], "--compression needs a shard axis"),
     ],
 )
 def test_demo_bad_options_fail_fast(args: list[str], message: str) -> None:
