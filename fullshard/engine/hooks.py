@@ -283,7 +283,8 @@ class Runtime:
                 if bucket.accumulated_grad is not None and bucket.accumulation_abandoned():
                     abandoned = True
             unit.refresh_requires_grad()
-        self.kept_frozen.release_if_stepped()
+        if self.kept_frozen.enabled:  # off: the step never enters kept_frozen.py
+            self.kept_frozen.release_if_stepped()
         if abandoned:  # zero_grad during a no_sync window: drop it all
             self._drop_gradients()
         self.pass_id += 1
