@@ -44,6 +44,7 @@ MICRO_BATCHES, ROWS = 4, 4
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
+    from cluster_worker import link_counters
     from gpt import CONFIGS, Block, build_model, data_pool, lm_loss, rank_rows
     from peft import LoraConfig, get_peft_model
     from torch import nn
@@ -85,7 +86,7 @@ def worker(args: argparse.Namespace) -> None:
         steps.append(time.perf_counter() - start)
         losses.append(total)
         stats.append(fullshard.comm_stats())
-    link = _link_counters()
+    link = link_counters()
     record = {"rank": rank, "steps": steps, "losses": losses, "stats": stats, "link": link}
     ranks = [None] * world
     dist.all_gather_object(ranks, record)
@@ -102,16 +103,6 @@ def worker(args: argparse.Namespace) -> None:
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _link_counters() -> dict[str, int] | None:
-    import os
-
-    iface = os.environ.get("CLUSTER_IFACE")
-    if not iface:
-        return None
-    base = Path("/sys/class/net") / iface / "statistics"
-    return {k: int((base / k).read_text()) for k in ("tx_bytes", "rx_bytes")}
 
 
 def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
