@@ -24,11 +24,11 @@ def test_demo_trains_saves_plots_and_resumes(tmp_path: Path) -> None:
     """The first run compresses the wire (and trains the exact run beside it); the resumed
     run is exact, from the compressed run's full-precision checkpoint."""
     out = tmp_path / "run"
-    first = _demo("--steps", "6", "--out", str(out), "--compression", "int8")
+    first = _demo("--steps", "3", "--out", str(out), "--compression", "int8")
     assert first.returncode == 0, first.stderr[-3000:]
-    assert "steps 0 -> 6" in first.stdout
+    assert "steps 0 -> 3" in first.stdout
     assert "weights and gradients int8 on the wire" in first.stdout
-    assert "exact run beside (6 steps, same seed and batches)" in first.stdout
+    assert "exact run beside (3 steps, same seed and batches)" in first.stdout
     assert "model state per rank" in first.stdout and "rank 1:" in first.stdout
     assert (out / "checkpoint").exists()
     try:
@@ -38,9 +38,9 @@ def test_demo_trains_saves_plots_and_resumes(tmp_path: Path) -> None:
     except ImportError:
         assert "figure: skipped" in first.stdout
 
-    resumed = _demo("--steps", "4", "--out", str(out), "--resume")
+    resumed = _demo("--steps", "2", "--out", str(out), "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "steps 6 -> 10" in resumed.stdout  # continued from the saved step
+    assert "steps 3 -> 5" in resumed.stdout  # continued from the saved step
     assert "on the wire" not in resumed.stdout
 
 
