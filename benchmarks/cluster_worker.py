@@ -63,6 +63,22 @@ EXTRA_IMPLS = {
         threads=1, comm_words=0, sharded_state=True,
         options={"sharding_strategy": "FULL_SHARD", "bucketing_strategy": "BLOCK",
                  "compression": {"weights": "int8", "gradients": "int8"}}),
+    # hpZ: after forward each block kept sharded over a host (2 ranks), backward gathers there
+    "fullshard-full_shard-block-hpz2": Impl(
+        "fullshard-full_shard-block-hpz2", "fullshard",
+        "fullshard FULL_SHARD, bucketing BLOCK, reshard_after_forward=2 (hpZ: a host)",
+        nproc=4, threads=1, comm_words=0, sharded_state=True,
+        options={"sharding_strategy": "FULL_SHARD", "bucketing_strategy": "BLOCK",
+                 "reshard_after_forward": 2}),
+    "fullshard-full_shard-block-int8w-hpz2": Impl(
+        "fullshard-full_shard-block-int8w-hpz2", "fullshard",
+        "fullshard FULL_SHARD, bucketing BLOCK, int8 weights, reshard_after_forward=2 "
+        "(ZeRO++'s qwZ + hpZ)", nproc=4, threads=1, comm_words=0, sharded_state=True,
+        options={"sharding_strategy": "FULL_SHARD", "bucketing_strategy": "BLOCK",
+                 "reshard_after_forward": 2, "compression": {"weights": "int8"}}),
+    "fsdp2-hpz2": Impl(
+        "fsdp2-hpz2", "fsdp2", "torch FSDP2, reshard_after_forward=2 (a host)", nproc=4,
+        threads=1, comm_words=0, sharded_state=True, options={"reshard_after_forward": 2}),
     "ddp-bf16hook": Impl(
         "ddp-bf16hook", "ddp", "torch DDP, bf16_compress_hook's all-reduce in bf16", nproc=2,
         threads=1, comm_words=1, sharded_state=False, options={"comm_hook": "bf16"}),

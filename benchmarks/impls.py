@@ -213,7 +213,9 @@ def _fsdp2(impl: Impl, model: nn.Module, world: int) -> Trainer:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
     if impl.split_root:
         fully_shard(model.head, mesh=mesh, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    # an int (hpZ) for the blocks; the root as fullshard's, kept gathered into backward
+    root_reshard = None if type(reshard) is int else reshard
+    fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard)
     return _torch_trainer(model, model)
 
 

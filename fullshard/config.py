@@ -55,7 +55,10 @@ class ShardingPlan:
     by default it stays gathered into backward (FSDP2's `reshard_after_forward=None`, see
     `with_reshard_after_forward`). `hybrid` asks for a 2-D (replicate, shard) mesh and
     `no_shard` for the `(N, 1)` mesh. The mesh itself is chosen once the world size is known
-    (`fullshard.distributed.mesh`).
+    (`fullshard.distributed.mesh`). `post_forward_size` > 0 (FSDP2's integer
+    `reshard_after_forward`, ZeRO++'s hpZ) keeps, after a unit's forward, a copy of its
+    parameters sharded over that many consecutive ranks (one node), which backward gathers
+    from instead of from the whole shard axis.
     """
 
     name: str
@@ -63,31 +66,46 @@ class ShardingPlan:
     no_shard: bool = False
     hybrid: bool = False
     reshard_root_after_forward: bool = False
+    post_forward_size: int = 0
 
-    def with_reshard_after_forward(self, value: bool | None) -> ShardingPlan:
+    def with_reshard_after_forward(self, value: bool | int | None) -> ShardingPlan:
         """This plan with FSDP2's `reshard_after_forward` applied.
 
         None keeps the strategy's meaning (FULL_SHARD / HYBRID_SHARD / ZERO3: every unit but
         the root; the others: none). True releases every unit after its forward, the root
         included; False keeps every unit gathered until its backward (ZeRO-2's schedule).
         True on a strategy that keeps parameters gathered is a contradiction (ValueError).
+        An int `k` (FSDP2's) reshards every unit but the root to `k` ranks after its forward:
+        each keeps 1/k of the unit, a run of `k` consecutive ranks (one node when `k` is the
+        ranks per node) holds it whole, and backward gathers it from them only. The root stays
+        gathered into backward, as with None. `k` must divide the shard axis (checked with
+        the mesh); 1 keeps a whole copy on every rank, i.e. False.
         """
-        if value is not None and not isinstance(value, bool):
+        if value is not None and not isinstance(value, int):
             raise TypeError(
-                f"reshard_after_forward must be True, False or None, got "
-                f"{type(value).__name__}: {value!r}"
+                f"reshard_after_forward must be True, False, None or an int (ranks to reshard "
+                f"to after forward), got {type(value).__name__}: {value!r}"
             )
         if value is None:
             return self
+        if not isinstance(value, bool) and value < 1:
+            raise ValueError(
+                f"reshard_after_forward={value} must be >= 1: the ranks a unit is resharded to "
+                f"after forward, e.g. the ranks per node."
+            )
+        if value is not True and value is not False and value == 1:
+            value = False  # one rank holds the whole unit: kept gathered
         if value and not self.reshard_after_forward:
             raise ValueError(
-                f"reshard_after_forward=True asks to release parameters after forward, but "
-                f"sharding_strategy {self.name!r} keeps them gathered until backward. Use "
-                f"FULL_SHARD (or HYBRID_SHARD) with reshard_after_forward=True, or drop it."
+                f"reshard_after_forward={value!r} asks to release parameters after forward, "
+                f"but sharding_strategy {self.name!r} keeps them gathered until backward. Use "
+                f"FULL_SHARD (or HYBRID_SHARD) with reshard_after_forward={value!r}, or drop it."
             )
-        return dataclasses.replace(
-            self, reshard_after_forward=value, reshard_root_after_forward=value
-        )
+        if isinstance(value, bool):
+            return dataclasses.replace(
+                self, reshard_after_forward=value, reshard_root_after_forward=value
+            )
+        return dataclasses.replace(self, post_forward_size=value)
 
     def unit_reshards(self, choice: object, *, is_root: bool, name: str) -> bool:
         """Whether one unit is released after its forward: `choice` is what a per-unit

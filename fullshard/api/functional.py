@@ -59,7 +59,7 @@ def fsdp(
     device: torch.device | str | int | None = None,
     broadcast_from: int | None = None,
     sharding_strategy: FSDPType | str | object = FSDPType.ZERO2,
-    reshard_after_forward: bool | None | Callable[[nn.Module], bool | None] = None,
+    reshard_after_forward: bool | int | None | Callable[[nn.Module], bool | None] = None,
     bucketing_strategy: FSDPBucketingStrategy | str = FSDPBucketingStrategy.NONE,
     move_state_dict_to_cpu: bool | None = None,
     auto_wrap_policy: object = None,
@@ -91,6 +91,11 @@ def fsdp(
             forward, the root staying gathered into backward, which runs it first; True
             releases the root too; False keeps every unit gathered until its backward (ZeRO-2's
             schedule). True with a strategy that keeps parameters gathered is a ValueError.
+            An int k (FSDP2's; ZeRO++'s hpZ), e.g. the ranks per node: after its forward each
+            unit but the root is kept sharded over runs of k consecutive ranks (1/k of it per
+            rank), and backward gathers it within the run (the node) instead of across all
+            ranks; k must divide the ranks that shard a parameter. Memory: 1/k of every unit
+            stays from its forward to its backward.
             Or, as FSDP2's per-module argument, a callable `f(unit_module) -> True | False |
             None` asked once per unit at wrap (None: the strategy's default for that unit).
             E.g. with the LM head a unit of its own, `lambda m: False if m is head else None`

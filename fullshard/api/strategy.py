@@ -126,8 +126,9 @@ class FSDPStrategy(RankPlacement, CheckpointMethods):
             alike; None (default): exact (see `fullshard.fsdp`).
         **kwargs: engine options of `fullshard.fsdp`: bucketing_strategy, prefetch_limit,
             max_pending_reductions, broadcast_from, move_state_dict_to_cpu,
-            reshard_after_forward (FSDP2's True / False / None, or per unit a callable of
-            the unit's module, as `fsdp`), keep_frozen_gathered (as `fsdp`); and torch
+            reshard_after_forward (FSDP2's True / False / None / an int, e.g. the ranks per
+            node, or per unit a callable of the unit's module, as `fsdp`),
+            keep_frozen_gathered (as `fsdp`); and torch
             `FullyShardedDataParallel`'s other keywords (meanings: `strategy_args`, README).
     """
 

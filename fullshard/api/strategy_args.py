@@ -133,10 +133,11 @@ def check_engine_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], TorchFS
     if "bucketing_strategy" in engine:
         resolve_bucketing_strategy(engine["bucketing_strategy"])
     reshard = engine.get("reshard_after_forward")
-    if reshard is not None and not isinstance(reshard, bool) and not callable(reshard):
+    if reshard is not None and not isinstance(reshard, int) and not callable(reshard):
         raise TypeError(
-            f"FSDPStrategy(reshard_after_forward=...) must be True, False, None or a callable "
-            f"of a unit's module returning one of them, got "
+            f"FSDPStrategy(reshard_after_forward=...) must be True, False, None, an int (ranks "
+            f"to reshard to after forward) or a callable of a unit's module returning True, "
+            f"False or None, got "
             f"{type(reshard).__name__}: {reshard!r}"
         )
     check_keep_frozen_gathered(engine.get("keep_frozen_gathered"), "FSDPStrategy")

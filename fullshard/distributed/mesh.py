@@ -10,6 +10,7 @@ consecutive ranks (one node, when S is the ranks per node), as `init_device_mesh
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,9 @@ class ShardMesh:
     shard: Group
     replicate: Group
     world: Group
+    post_forward: Group | None = None
+    """hpZ (an int `reshard_after_forward`): the run of ranks inside this rank's shard group
+    that keeps a unit after its forward and gathers it again for backward; None otherwise."""
     data_parallel_size: int = field(init=False)
     """Ranks that see different data (the world); gradients are averaged over all of them. A
     plain attribute: the step reads it for every reduction."""
@@ -78,7 +82,7 @@ def build_mesh(plan: ShardingPlan, mesh: object = None) -> ShardMesh:
             f"mesh only applies to HYBRID_SHARD. Drop the mesh or use HYBRID_SHARD."
         )
     if is_device_mesh(mesh):
-        return _from_device_mesh(mesh, world)
+        return _with_post_forward(_from_device_mesh(mesh, world), plan, mesh.mesh.tolist())
     if plan.no_shard:
         shape = (n, 1)
     elif plan.hybrid:
@@ -86,13 +90,40 @@ def build_mesh(plan: ShardingPlan, mesh: object = None) -> ShardMesh:
     else:
         shape = (1, n)
     replicate_size, shard_size = shape
+    layout = [list(range(r * shard_size, (r + 1) * shard_size)) for r in range(replicate_size)]
     if replicate_size == 1:
-        return ShardMesh(shard=world, replicate=_single(world), world=world)
-    if shard_size == 1:
-        return ShardMesh(shard=_single(world), replicate=world, world=world)
-    device_type = "cuda" if "nccl" in world.backend else "cpu"
-    device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
-    return _from_device_mesh(device_mesh, world)
+        built = ShardMesh(shard=world, replicate=_single(world), world=world)
+    elif shard_size == 1:
+        built = ShardMesh(shard=_single(world), replicate=world, world=world)
+    else:
+        device_type = "cuda" if "nccl" in world.backend else "cpu"
+        device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+        built = _from_device_mesh(device_mesh, world)
+    return _with_post_forward(built, plan, layout)
+
+
+def _with_post_forward(mesh: ShardMesh, plan: ShardingPlan, layout: list[list[int]]
+                       ) -> ShardMesh:
+    """`mesh` with hpZ's groups when `plan` asks for them: each shard group (a row of
+    `layout`, global ranks in shard order) split into runs of `plan.post_forward_size`. Every
+    rank creates every run's group, in the same order (creating a group is collective)."""
+    k, size = plan.post_forward_size, mesh.shard.size
+    if not k or k == size:
+        return mesh  # none asked, or the run is the whole shard axis: plain resharding
+    if size % k:
+        raise ValueError(
+            f"reshard_after_forward={k} must divide the {size} ranks that shard each parameter "
+            f"(mesh {mesh.shape}): a run of {k} consecutive ranks keeps a unit after forward. "
+            f"Use the ranks per node (LOCAL_WORLD_SIZE), a divisor of {size}, or True."
+        )
+    mine = None
+    for row in layout:
+        for start in range(0, size, k):
+            ranks = row[start : start + k]
+            pg = dist.new_group(ranks)
+            if mesh.world.rank in ranks:
+                mine = Group.from_process_group(pg)
+    return dataclasses.replace(mesh, post_forward=mine)
 
 
 def check_mesh_shape(mesh: object) -> None:

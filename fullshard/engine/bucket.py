@@ -16,6 +16,11 @@ Memory layout (S = shard-axis size, L = sum of the params' padded shard sizes):
                           the parameters' `.grad` are views of it (or are accumulated from it).
     accumulated  (S*L,)   no_sync: the gradients summed over micro-batches, in the layout the
                           seam reduces from (`unit_comm.accumulate_grads`).
+    post_forward (S*L/k,) hpZ (an int `reshard_after_forward` k): this rank's 1/k of
+                          `unsharded`, kept from forward to backward: run j of a node's k
+                          ranks keeps each parameter's rows [j, j+1) * S/k shards -- so its
+                          (S/k)-shard pieces gathered over the node come back parameter-major,
+                          the same buffer as a gather over the whole shard axis.
 
 Dtypes and devices: `shard_flat` holds the master dtype (fp32), in host memory under CPU
 offload. The all-gather sends the shards cast to the compute dtype and moved to the compute
@@ -44,7 +49,7 @@ import torch
 
 from fullshard.config import Compression
 from fullshard.distributed import unit_comm
-from fullshard.distributed.mesh import ShardMesh
+from fullshard.distributed.mesh import Group, ShardMesh
 from fullshard.distributed.unit_comm import GatherHandle, GatherRequest, ReduceHandle
 from fullshard.engine.sharded_param import ShardedParam
 
@@ -100,6 +105,16 @@ class Bucket:
         self.shard_flat = torch.zeros(offset, dtype=dtype, device=host, pin_memory=pin)
         self._gather_handle: GatherHandle | None = None
         self.unsharded: torch.Tensor | None = None
+        self.post_forward: torch.Tensor | None = None  # hpZ's copy (see the module docstring)
+        if mesh.post_forward is not None:
+            k = mesh.post_forward.size
+            # Parameter i's kept span of the parameter-major buffer, and its piece to gather.
+            self._post_forward_pieces = [s // k * n for n in self.piece_sizes]
+            j = mesh.post_forward.rank
+            self._post_forward_spans = [
+                (s * p.offset + j * n, s * p.offset + (j + 1) * n)
+                for p, n in zip(self.params, self._post_forward_pieces)
+            ]
         # `shard_flat._version` when the current gather started: any in-place write to the
         # shards since (load_state_dict, an edit under no_grad, optimizer.step) bumps it, and
         # the gathered copy is then stale (`is_stale`).
@@ -166,9 +181,10 @@ class Bucket:
         return self.shard_flat.to(self.device, self.compute_dtype, non_blocking=True)
 
     def is_stale(self) -> bool:
-        """True if the shards were written since this bucket's gather started."""
+        """True if the shards were written since this bucket's gather started (the gather
+        the hpZ copy came from, for that copy)."""
         return (
-            self.unsharded is not None or self._gather_handle is not None
+            self.in_flight or self.post_forward is not None
         ) and self._gathered_version != self.shard_flat._version
 
     @property
@@ -204,9 +220,25 @@ class Bucket:
     def start_gather(self, *, async_op: bool) -> None:
         start_gathers([self], async_op=async_op)
 
-    def _prepare_gather(self) -> GatherRequest | None:
-        """The request for the seam, or None when there is nothing to exchange (shard-axis
-        size 1: the shards are the data). The handle keeps `send` alive until it is done."""
+    def keep_post_forward(self) -> None:
+        """hpZ: keep this rank's 1/k of the gathered buffer (`post_forward`) and drop the
+        rest; the next gather runs over the node from it (`mesh.post_forward`)."""
+        assert self.unsharded is not None and self.mesh.post_forward is not None
+        full, self.unsharded = self.unsharded, None
+        kept = track(torch.empty(sum(self._post_forward_pieces), dtype=full.dtype,
+                                 device=full.device), "param")
+        torch.cat([full[a:b] for a, b in self._post_forward_spans], out=kept)
+        self.post_forward = kept
+
+    def _prepare_gather(self) -> tuple[GatherRequest, Group, str] | None:
+        """The request for the seam, the group and wire format it goes over, or None when
+        there is nothing to exchange (shard-axis size 1: the shards are the data). The handle
+        keeps `send` alive until it is done."""
+        if self.post_forward is not None:  # hpZ: over the node, exact (decoded already)
+            send, self.post_forward = self.post_forward, None
+            request = GatherRequest(send, self._post_forward_pieces, self.label,
+                                    self.check_gather)
+            return request, self.mesh.post_forward, "exact"
         self._gathered_version = self.shard_flat._version
         send = self._gather_input()
         if send is not self.shard_flat:
@@ -214,7 +246,8 @@ class Bucket:
         if self.shard_size == 1:
             self.unsharded = send
             return None
-        return GatherRequest(send, self.piece_sizes, self.label, self.check_gather)
+        request = GatherRequest(send, self.piece_sizes, self.label, self.check_gather)
+        return request, self.mesh.shard, self.gather_wire
 
     def finish_gather(self) -> torch.Tensor:
         if self.unsharded is not None:
@@ -242,11 +275,12 @@ class Bucket:
             self._gather_handle = None
 
     def release(self) -> None:
-        """Drop the unsharded buffer (waiting for a gather still in flight first)."""
+        """Drop the unsharded buffer and any hpZ copy (waiting for a gather still in flight
+        first)."""
         if self._gather_handle is not None:
             self._gather_handle.discard()
             self._gather_handle = None
-        self.unsharded = None
+        self.unsharded = self.post_forward = None
 
     # -- reduce -----------------------------------------------------------------------------
     def _reduce_request(
@@ -351,19 +385,23 @@ def _grad_track(t: torch.Tensor) -> torch.Tensor:
 
 def start_gathers(buckets: Sequence[Bucket], *, async_op: bool) -> None:
     """Issue the gathers of those `buckets` not gathered or in flight, in order, together:
-    the seam sends small ones (several small units' buckets) as one exchange. All buckets
-    share one shard group."""
+    the seam sends small ones (several small units' buckets) as one exchange, one call per
+    group and wire format (hpZ copies go over the node, exact)."""
     todo = [b for b in dict.fromkeys(buckets) if not b.in_flight]  # a unit may come twice
-    requests = [(b, req) for b in todo if (req := b._prepare_gather()) is not None]
-    by_wire: dict[tuple[str, int], list[tuple[Bucket, GatherRequest]]] = {}
-    for b, req in requests:  # one call per wire format (formats never share an exchange)
-        by_wire.setdefault((b.gather_wire, b.block_size), []).append((b, req))
-    for (wire, block_size), group in by_wire.items():
+    calls: dict[tuple[int, str, int], list[tuple[Bucket, GatherRequest]]] = {}
+    groups: dict[int, Group] = {}
+    for b in todo:
+        if (prepared := b._prepare_gather()) is not None:
+            req, group, wire = prepared
+            groups[id(group)] = group
+            calls.setdefault((id(group), wire, b.block_size), []).append((b, req))
+    for (group_id, wire, block_size), members in calls.items():
+        group = groups[group_id]
         handles = unit_comm.gather_params(
-            [req for _, req in group], group[0][0].mesh.shard, async_op=async_op,
+            [req for _, req in members], group, async_op=async_op,
             track=lambda t: track(t, "param"), wire=wire, block_size=block_size,
         )
-        for (b, _), handle in zip(group, handles):
+        for (b, _), handle in zip(members, handles):
             b._gather_handle = handle
 
 

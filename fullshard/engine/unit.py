@@ -5,6 +5,8 @@ backward (ZeRO-2). Its state is stored (`Unit.state`), set at each transition an
 where a transition assumes it:
 
     SHARDED --start_gather--> GATHERING --wait_gathered--> GATHERED --reshard--> SHARDED
+                                  ^                                  |
+                                  +---start_gather-- SHARDED_POST_FORWARD <--(hpZ, after forward)
 
 (with a shard axis of size 1 nothing is exchanged: start_gather goes to GATHERED at once).
 Every drop of the unsharded buffers goes through `Unit.reshard`, whose docstring is the rule.
@@ -81,8 +83,12 @@ from fullshard.engine.sharded_param import ShardedParam
 
 class UnitState(enum.Enum):
     SHARDED = "sharded"
+    SHARDED_POST_FORWARD = "sharded post forward"  # hpZ: 1/k kept, gathered over the node
     GATHERING = "gathering"
     GATHERED = "gathered"
+
+
+_SHARDED = (UnitState.SHARDED, UnitState.SHARDED_POST_FORWARD)
 
 
 class Reshard(enum.Enum):
@@ -163,7 +169,7 @@ class Unit:
     @property
     def in_flight(self) -> bool:
         """Gathered, or its gather issued (True for a unit without parameters)."""
-        return self.state is not UnitState.SHARDED or not self.buckets
+        return self.state not in _SHARDED or not self.buckets
 
     @functools.cached_property
     def gather_nbytes(self) -> int:
@@ -186,7 +192,7 @@ class Unit:
         units = [self, *others]
         start_gathers([b for u in units for b in u.buckets], async_op=async_op)
         for u in units:
-            if u.buckets and u.state is UnitState.SHARDED:
+            if u.buckets and u.state in _SHARDED:
                 # shard axis of size 1: nothing to exchange, the shards are the data
                 done = u.buckets[0].is_gathered
                 u.state = UnitState.GATHERED if done else UnitState.GATHERING
@@ -250,7 +256,11 @@ class Unit:
           FULL_SHARD / HYBRID_SHARD (ZeRO-3: released after forward, gathered again for
           backward); False under SHARD_GRAD_OP (ZeRO-2: kept from forward into backward) and
           for the root by default ([Note: the root stays gathered]); a
-          per-unit `reshard_after_forward` (FSDP2's) overrides either. NO_SHARD follows
+          per-unit `reshard_after_forward` (FSDP2's) overrides either. With hpZ (an int
+          `reshard_after_forward` k: the mesh has `post_forward` runs) a unit that ran keeps
+          1/k of its buffers (`Bucket.keep_post_forward`, state SHARDED_POST_FORWARD) and
+          backward gathers them over the run; that copy goes at the next reshard (after
+          backward, NOW) or when a new gather of the shards replaces it. NO_SHARD follows
           SHARD_GRAD_OP's schedule, but its shard axis has size 1: the "unsharded buffer" is
           the shards themselves (or their cast copy under mixed precision), so resharding
           frees nothing beyond that copy. HYBRID_SHARD frees on its shard axis exactly as
@@ -260,23 +270,27 @@ class Unit:
             return
         if at is Reshard.AFTER_BACKWARD and not syncing:
             return
-        if at is Reshard.AFTER_FORWARD and not self._reshards_after_forward(
-            recomputing=recomputing, syncing=syncing
-        ):
-            return
+        keep_part = False
+        if at is Reshard.AFTER_FORWARD:
+            if recomputing:
+                return
+            # no GatheredParams.backward will come to release it: drop it whole
+            backward_comes = torch.is_grad_enabled() and bool(self.trainable_params)
+            if backward_comes and not (syncing and self.reshard_after_forward):
+                return
+            keep_part = (backward_comes and self.state is UnitState.GATHERED
+                         and self.buckets[0].mesh.post_forward is not None)
         if self.saved is not None:
             self.saved.untrack(self)
         self.cached_views = None
+        if keep_part:
+            for b in self.buckets:
+                b.keep_post_forward()
+            self.state = UnitState.SHARDED_POST_FORWARD
+            return
         for b in self.buckets:
             b.release()
         self.state = UnitState.SHARDED
-
-    def _reshards_after_forward(self, *, recomputing: bool, syncing: bool) -> bool:
-        if recomputing:
-            return False
-        if not torch.is_grad_enabled() or not self.trainable_params:
-            return True  # no GatheredParams.backward will come to release it
-        return syncing and self.reshard_after_forward
 
     def reshard_if_stale(self) -> None:
         """Drop the gathered copy if the shards were written since it was gathered (a load,

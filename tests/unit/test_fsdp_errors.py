@@ -62,9 +62,9 @@ def test_strategy_of_the_wrong_type(world1):
         fullshard.fsdp(_model(), device="cpu", sharding_strategy=3)
 
 
-@pytest.mark.parametrize("bad", ["yes", 1, 0.0])
-def test_reshard_after_forward_takes_a_bool_or_none(world1, bad):
-    with pytest.raises(TypeError, match=r"reshard_after_forward must be True, False or None"):
+@pytest.mark.parametrize("bad", ["yes", 2.0, 0.0])
+def test_reshard_after_forward_takes_a_bool_an_int_or_none(world1, bad):
+    with pytest.raises(TypeError, match=r"reshard_after_forward must be True, False, None or an"):
         fullshard.fsdp(_model(), device="cpu", reshard_after_forward=bad)
     with pytest.raises(TypeError, match=r"FSDPStrategy\(reshard_after_forward=\.\.\.\) must"):
         fullshard.FSDPStrategy(reshard_after_forward=bad)
@@ -78,6 +78,26 @@ def test_reshard_after_forward_true_contradicts_a_keeping_strategy(world1, strat
                        reshard_after_forward=True)
     with pytest.raises(ValueError, match=match):
         fullshard.FSDPStrategy(sharding_strategy=strategy, reshard_after_forward=True)
+
+
+def test_an_int_reshard_after_forward_is_checked_by_both_doors(world1):
+    for bad, error, match in [(0, ValueError, r"reshard_after_forward=0 must be >= 1"),
+                              (-2, ValueError, r"must be >= 1"), (2.0, TypeError, r"an int")]:
+        with pytest.raises(error, match=match):
+            fullshard.fsdp(_model(), device="cpu", sharding_strategy="FULL_SHARD",
+                           reshard_after_forward=bad)
+        with pytest.raises(error, match=match):
+            fullshard.FSDPStrategy(sharding_strategy="FULL_SHARD", reshard_after_forward=bad)
+    match = r"reshard_after_forward=2 asks to release .* 'SHARD_GRAD_OP' keeps them"
+    with pytest.raises(ValueError, match=match):
+        fullshard.FSDPStrategy(sharding_strategy="SHARD_GRAD_OP", reshard_after_forward=2)
+    # one rank: a run of 1 holds the whole unit, i.e. False; the shard axis itself, True's
+    # schedule for every unit but the root (as None)
+    for k, expected in ((1, False), (None, True)):
+        model = fullshard.fsdp(_model(), device="cpu", sharding_strategy="FULL_SHARD",
+                               reshard_after_forward=k)
+        assert model.fullshard_runtime.mesh.post_forward is None
+        assert all(u.reshard_after_forward is expected for u in model.fullshard_runtime.units[1:])
 
 
 @pytest.mark.parametrize(
