@@ -160,7 +160,9 @@ def render(doc: dict[str, Any]) -> str:
                   "the compression record).", ""]
     cols = [name for name, _ in columns]
     table = [[cell(r) for _, cell in columns] for r in rows]
-    lines += [report._table(cols, table), "", "## Targets", ""]
+    lines += [report._table(cols, table), ""]
+    if any(r["impl"] == INT8WG for r in rows):
+        lines += ["## Targets", ""]
     for r in rows:
         if r["impl"] != INT8WG:
             continue
