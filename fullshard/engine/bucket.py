@@ -166,10 +166,6 @@ class Bucket:
                     f"load_state_dict without assign)."
                 )
 
-    @property
-    def shard_size(self) -> int:
-        return self.mesh.shard.size
-
     # -- gather -----------------------------------------------------------------------------
     @property
     def is_gathered(self) -> bool:
@@ -217,9 +213,6 @@ class Bucket:
     def block_size(self) -> int:
         return 256 if self.compression is None else self.compression.block_size
 
-    def start_gather(self, *, async_op: bool) -> None:
-        start_gathers([self], async_op=async_op)
-
     def keep_post_forward(self) -> None:
         """hpZ: keep this rank's 1/k of the gathered buffer (`post_forward`) and drop the
         rest; the next gather runs over the node from it (`mesh.post_forward`)."""
@@ -243,7 +236,7 @@ class Bucket:
         send = self._gather_input()
         if send is not self.shard_flat:
             track(send, "param")
-        if self.shard_size == 1:
+        if self.mesh.shard.size == 1:
             self.unsharded = send
             return None
         request = GatherRequest(send, self.piece_sizes, self.label, self.check_gather)
@@ -253,7 +246,7 @@ class Bucket:
         if self.unsharded is not None:
             return self.unsharded
         if self._gather_handle is None:
-            self.start_gather(async_op=False)
+            start_gathers([self], async_op=False)
             if self.unsharded is not None:
                 return self.unsharded
         assert self._gather_handle is not None
@@ -458,30 +451,18 @@ def _all_negative_zero(t: torch.Tensor) -> bool:
 class _MemoryTracker:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.param_bytes = 0
-        self.grad_bytes = 0
+        self.current = {"param": 0, "grad": 0}
         self.reset_peaks()
 
     def reset_peaks(self) -> None:
         with self._lock:
-            self.peak_param_bytes = self.param_bytes
-            self.peak_grad_bytes = self.grad_bytes
-            self.peak_total_bytes = self.param_bytes + self.grad_bytes
+            self.peak = {**self.current, "total": sum(self.current.values())}
 
-    def add_param(self, nbytes: int) -> None:
+    def add(self, kind: Literal["param", "grad"], nbytes: int) -> None:
         with self._lock:
-            self.param_bytes += nbytes
-            self.peak_param_bytes = max(self.peak_param_bytes, self.param_bytes)
-            self._update_total()
-
-    def add_grad(self, nbytes: int) -> None:
-        with self._lock:
-            self.grad_bytes += nbytes
-            self.peak_grad_bytes = max(self.peak_grad_bytes, self.grad_bytes)
-            self._update_total()
-
-    def _update_total(self) -> None:
-        self.peak_total_bytes = max(self.peak_total_bytes, self.param_bytes + self.grad_bytes)
+            self.current[kind] += nbytes
+            self.peak[kind] = max(self.peak[kind], self.current[kind])
+            self.peak["total"] = max(self.peak["total"], sum(self.current.values()))
 
 
 TRACKER = _MemoryTracker()
@@ -493,9 +474,8 @@ def track(tensor: torch.Tensor, kind: Literal["param", "grad"]) -> torch.Tensor:
     Views keep their base tensor alive, so the count lasts as long as any view of it does.
     """
     nbytes = tensor.numel() * tensor.element_size()
-    add = TRACKER.add_param if kind == "param" else TRACKER.add_grad
-    add(nbytes)
-    weakref.finalize(tensor, add, -nbytes)
+    TRACKER.add(kind, nbytes)
+    weakref.finalize(tensor, TRACKER.add, kind, -nbytes)
     return tensor
 
 
@@ -505,13 +485,13 @@ def memory_stats() -> dict[str, int]:
     Keys: `unsharded_param_bytes`, `unsharded_grad_bytes` (now), `peak_unsharded_param_bytes`,
     `peak_unsharded_grad_bytes`, `peak_unsharded_bytes` (peak of their sum).
     """
-    t = TRACKER
+    current, peak = TRACKER.current, TRACKER.peak
     return {
-        "unsharded_param_bytes": t.param_bytes,
-        "unsharded_grad_bytes": t.grad_bytes,
-        "peak_unsharded_param_bytes": t.peak_param_bytes,
-        "peak_unsharded_grad_bytes": t.peak_grad_bytes,
-        "peak_unsharded_bytes": t.peak_total_bytes,
+        "unsharded_param_bytes": current["param"],
+        "unsharded_grad_bytes": current["grad"],
+        "peak_unsharded_param_bytes": peak["param"],
+        "peak_unsharded_grad_bytes": peak["grad"],
+        "peak_unsharded_bytes": peak["total"],
     }
 
 

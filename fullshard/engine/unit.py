@@ -180,7 +180,7 @@ class Unit:
     @functools.cached_property
     def unsharded_nbytes(self) -> int:
         """Bytes of the unit's unsharded buffers on this rank while it is gathered."""
-        return self.gather_nbytes * (self.buckets[0].shard_size if self.buckets else 0)
+        return self.gather_nbytes * (self.buckets[0].mesh.shard.size if self.buckets else 0)
 
     def start_gather(self, *, async_op: bool) -> None:
         self.start_gather_with((), async_op=async_op)

@@ -119,9 +119,10 @@ def _backward_gathers(strategy: str, checkpointing: bool) -> dict:
         for p in model.parameters():
             p.grad = None
     runtime = model.fullshard_runtime
-    out["block_bytes"] = max(sum(b.numel * b.shard_size * 4 for b in u.buckets)
+    out["block_bytes"] = max(sum(b.numel * b.mesh.shard.size * 4 for b in u.buckets)
                              for u in runtime.units[1:])
-    out["all_bytes"] = sum(b.numel * b.shard_size * 4 for u in runtime.units for b in u.buckets)
+    out["all_bytes"] = sum(b.numel * b.mesh.shard.size * 4
+                           for u in runtime.units for b in u.buckets)
     return out
 
 

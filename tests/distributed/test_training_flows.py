@@ -528,7 +528,7 @@ def _frozen_backward_peaks() -> dict:
         peaks.append(fullshard.memory_stats()["peak_unsharded_param_bytes"])
         model.zero_grad()
     units = model.fullshard_runtime.units
-    sizes = {u.name: sum(b.numel * b.shard_size for b in u.buckets) * F32 for u in units}
+    sizes = {u.name: sum(b.numel * b.mesh.shard.size for b in u.buckets) * F32 for u in units}
     return {"peaks": peaks, "sizes": sizes}
 
 
