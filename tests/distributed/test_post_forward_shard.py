@@ -141,6 +141,25 @@ def test_backward_gathers_over_the_node_from_half_of_each_unit(group4):
         assert r["between_steps"] == 0
 
 
+def _hybrid_device_mesh() -> dict:
+    """HYBRID_SHARD on a 2-D DeviceMesh (1, 4): the runs come from the mesh's own layout."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 4), mesh_dim_names=("replicate", "shard"))
+    runs = []
+    report = check_parity(_tiny_gpt, steps=2, sharding_strategy="HYBRID_SHARD", device_mesh=mesh,
+                          bucketing_strategy="BLOCK", auto_wrap_policy={Block},
+                          reshard_after_forward=2, on_step=lambda step, model, ref: runs.append(
+                              model.fullshard_runtime.mesh.post_forward.ranks))
+    return {"losses": report.losses, "run": runs[0]}
+
+
+def test_a_hybrid_device_mesh_splits_its_shard_groups_into_runs(group4):
+    results = group4.run(_hybrid_device_mesh)
+    assert all(r["losses"] == results[0]["losses"] for r in results[1:])
+    assert [r["run"] for r in results] == [(0, 1), (0, 1), (2, 3), (2, 3)]
+
+
 def _wrap(**kwargs: object) -> str:
     kwargs.setdefault("sharding_strategy", "FULL_SHARD")
     fullshard.fsdp(_tiny_gpt(), device="cpu", auto_wrap_policy={Block}, **kwargs)
