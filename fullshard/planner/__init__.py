@@ -13,14 +13,15 @@ model, which units; the Llama configs), `sizes.py` (units and buckets as the eng
 them, persistent bytes, communication, byte strings), `profile.py` (the meta forward:
 activations, per-unit inputs and work), `timing.py` (`Hardware` and what each unit costs on
 it), `schedule.py` (the engine's step replayed: the working set and the step time),
-`hardware.py` (presets, files, `--hardware local`), `search.py` (the search and its
+`hardware.py` (`--hardware local`: this machine measured), `presets.py` (data-sheet presets,
+JSON files, and which of them `--hardware` names), `search.py` (the search and its
 configurations as `fsdp()` keyword arguments), `table.py` (the result and its text), `api.py`
 (`plan()`, `predict()`, the CLI subcommand).
 """
 
 from fullshard.planner.api import plan, predict
-from fullshard.planner.hardware import PRESETS
 from fullshard.planner.models import BUILTIN_CONFIGS
+from fullshard.planner.presets import PRESETS
 from fullshard.planner.search import CheckpointEvery, Evaluated, SearchResult, SearchSpace
 from fullshard.planner.sizes import format_bytes, parse_bytes
 from fullshard.planner.table import PlanRow, PlanTable

@@ -31,8 +31,8 @@ from fullshard.config import (
 from fullshard.distributed import comm
 from fullshard.distributed.unit_comm import small_units_bytes
 from fullshard.engine.wrap import select_units
-from fullshard.planner.hardware import resolve_hardware
 from fullshard.planner.models import resolve_model
+from fullshard.planner.presets import resolve_hardware
 from fullshard.planner.profile import ForwardProfile, activation_bytes, profile_forward
 from fullshard.planner.schedule import backward_scratch_bytes, unit_costs, working_set_bytes
 from fullshard.planner.search import Evaluated, SearchSpace, precision_specs

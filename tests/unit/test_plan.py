@@ -675,7 +675,7 @@ def test_the_loss_over_the_logits_is_priced_as_the_roots_work():
 
 
 def test_hardware_presets_files_and_errors(tmp_path):
-    from fullshard.planner.hardware import PRESETS, resolve_hardware
+    from fullshard.planner.presets import PRESETS, resolve_hardware
     from fullshard.planner.timing import Hardware
 
     h100 = resolve_hardware("H100-SXM")
