@@ -55,6 +55,7 @@ the encodings and their error).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -186,53 +187,35 @@ def gather_params(
 ) -> list[GatherHandle]:
     """All-gather these buckets over `group` (size > 1), issued together: small ones travel
     as one exchange where the backend allows. One handle per request, in order. A compressed
-    `wire` sends each request's shards encoded (see [Note: compressed collectives])."""
+    `wire` sends each request's shards encoded and decodes every rank's chunk on arrival, its
+    own too (qwZ; see [Note: compressed collectives])."""
     fmt = _check_wire(wire)
-    if fmt != "exact":
-        return _gather_encoded(requests, group, async_op, track, fmt, block_size)
-    segmented = comm.pairwise_exchanges(group)
-    items, rank_major = [], []
+    segmented = fmt == "exact" and comm.pairwise_exchanges(group)
+    items, layouts = [], []
     for r in requests:
-        out = track(torch.empty(group.size * r.send.numel(), dtype=r.send.dtype,
+        sent = r.send if fmt == "exact" else track(encode(r.send, fmt, block_size=block_size))
+        out = track(torch.empty(group.size * sent.numel(), dtype=sent.dtype,
                                 device=r.send.device))
         # Where the collective can place each parameter's rows itself, ask for that layout.
         split = len(r.pieces) > 1
-        items.append((out, r.send, list(r.pieces) if split and segmented else None, r.label))
-        rank_major.append(split and not segmented)
+        items.append((out, sent, list(r.pieces) if split and segmented else None, r.label))
+        decoder = None if fmt == "exact" else functools.partial(
+            _decode_chunks, size=group.size, numel=r.send.numel(), dtype=r.send.dtype, fmt=fmt,
+            block_size=block_size)
+        layouts.append((decoder is not None or (split and not segmented), decoder))
     handles = comm.all_gather_batch(
         items, group, async_op=async_op, check=[r.check for r in requests]
     )
     return [
-        GatherHandle(h, item[0], r, group.size, track, major)
-        for h, item, r, major in zip(handles, items, requests, rank_major)
+        GatherHandle(h, item[0], r, group.size, track, major, decode=d)
+        for h, item, r, (major, d) in zip(handles, items, requests, layouts)
     ]
 
 
-def _gather_encoded(requests: Sequence[GatherRequest], group: Group, async_op: bool,
-                    track: Callable[[torch.Tensor], torch.Tensor], fmt: str, block_size: int
-                    ) -> list[GatherHandle]:
-    """qwZ: every rank's shards encoded, all-gathered as bytes (rank-major), decoded on
-    arrival, this rank's own chunk included (one set of weights on every rank)."""
-    items, decoders = [], []
-    for r in requests:
-        sent = track(encode(r.send, fmt, block_size=block_size))
-        out = track(torch.empty(group.size * sent.numel(), dtype=torch.uint8,
-                                device=r.send.device))
-        items.append((out, sent, None, r.label))
-
-        def decoded(received: torch.Tensor, numel: int = r.send.numel(),
-                    dtype: torch.dtype = r.send.dtype) -> torch.Tensor:
-            rows = received.view(group.size, -1)
-            return decode(rows, numel, dtype, fmt, block_size=block_size)
-
-        decoders.append(decoded)
-    handles = comm.all_gather_batch(
-        items, group, async_op=async_op, check=[r.check for r in requests]
-    )
-    return [
-        GatherHandle(h, item[0], r, group.size, track, True, decode=d)
-        for h, item, r, d in zip(handles, items, requests, decoders)
-    ]
+def _decode_chunks(received: torch.Tensor, *, size: int, numel: int, dtype: torch.dtype,
+                   fmt: str, block_size: int) -> torch.Tensor:
+    """A compressed gather's received bytes -> (size, numel) rank-major, in `dtype`."""
+    return decode(received.view(size, -1), numel, dtype, fmt, block_size=block_size)
 
 
 # -- reductions ---------------------------------------------------------------------------
