@@ -88,18 +88,6 @@ def apply_activation_checkpointing(model: nn.Module, policy: object, runtime: Ru
     hook_model_checkpointing(model, runtime)
 
 
-def _is_torch_checkpoint_wrapper(module: nn.Module) -> bool:
-    """torch's `CheckpointWrapper` (`apply_activation_checkpointing` before wrapping): its
-    forward runs `checkpoint_fn(wrapped_module, ...)`, which is guarded as HF's function is."""
-    return type(module).__name__ == "CheckpointWrapper" and callable(
-        getattr(module, "checkpoint_fn", None))
-
-
-def _is_hf_checkpointing_layer(module: nn.Module) -> bool:
-    """A Hugging Face `GradientCheckpointingLayer` (by name: transformers is not imported)."""
-    return any(c.__name__ == "GradientCheckpointingLayer" for c in type(module).__mro__)
-
-
 class _RecomputeGuard:
     """A layer's `_gradient_checkpointing_func`, wrapped: checkpoints what it is handed
     through `inner` (HF's function), installing `needed` around the recomputation."""
@@ -137,8 +125,12 @@ def hook_model_checkpointing(model: nn.Module, runtime: Runtime) -> None:
     installed (none owns a parameter they use outside units nested in them) are left alone."""
     layers: list[tuple[nn.Module, list[Unit]]] = []
     for module in model.modules():
-        wrapper = _is_torch_checkpoint_wrapper(module)
-        if not (wrapper or _is_hf_checkpointing_layer(module)):
+        # torch's CheckpointWrapper runs `checkpoint_fn(wrapped_module, ...)`, guarded as HF's
+        # function is; HF's layers by class name too (transformers is not imported)
+        wrapper = type(module).__name__ == "CheckpointWrapper" and callable(
+            getattr(module, "checkpoint_fn", None))
+        if not (wrapper or any(c.__name__ == "GradientCheckpointingLayer"
+                               for c in type(module).__mro__)):
             continue
         needed = enclosing_units(module, runtime, called=False)
         if needed and wrapper:  # its checkpoint function is set once, at construction

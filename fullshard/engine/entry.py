@@ -98,13 +98,9 @@ def _enter(
     if not todo:
         return None
     opened.append(todo)
-    changed = False
     for unit in todo:
-        result = runtime.pre_forward(unit, module, args, kwargs)
-        if result is not None:
-            args, kwargs = result
-            changed = True
-    return (args, kwargs) if changed else None
+        args, kwargs = runtime.pre_forward(unit, module, args, kwargs) or (args, kwargs)
+    return args, kwargs
 
 
 def _leave(runtime: Runtime, opened: list[list[Unit]], module: nn.Module, args: Any,

@@ -25,6 +25,7 @@ module holding it: for a weight tied between two units, their innermost common a
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -101,9 +102,7 @@ class UnitChoice:
 
 def describe_unit_classes(class_names: Iterable[str]) -> str:
     """'root + 2 x GPT2Block' for the non-root units' class names."""
-    counts: dict[str, int] = {}
-    for name in class_names:
-        counts[name] = counts.get(name, 0) + 1
+    counts = Counter(class_names)  # in first-seen order
     return " + ".join(["root", *(f"{n} x {c}" for c, n in counts.items())])
 
 
