@@ -151,7 +151,8 @@ def choose_units(
         extra, reason = default_unit_modules(root, ignored)
     else:
         fn = normalize_policy(policy)
-        extra, reason = [] if fn is None else policy_modules(root, fn, ignored), ""
+        extra = [] if fn is None else policy_modules(root, fn, ignored)
+        reason = ""  # named below, once the units are known
     ids = {id(root), *map(id, extra), *map(id, _manual_units(root, ignored))}
     modules = tuple(m for m in root.modules() if id(m) in ids)
     if not reason:
