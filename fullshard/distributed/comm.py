@@ -251,9 +251,13 @@ def _exchanges(kind: str, sent: Sequence[torch.Tensor], pieces: Sequence[Sequenc
         yield [i], _exchange(kind, [label], [check], group), packed
 
 
-def _native_header(group: Group, seq: int, idents: list[int], header: bool) -> Any:
-    """The header of a backend collective on gloo, a message of its own."""
-    return gloo.Header(group, seq, idents, capacity=_header_capacity()) if header else None
+def _native(kind: str, work: Any, refs: tuple, group: Group, label: str | None, check: bool,
+            async_op: bool) -> CommHandle:
+    """The handle of a backend collective; on gloo, labelled and checked, it gets a header, a
+    message of its own."""
+    seq, idents, header = _exchange(kind, [label], [check], group)
+    own = gloo.Header(group, seq, idents, capacity=_header_capacity()) if header else None
+    return _settle(CommHandle([work], refs=refs, header=own), async_op)
 
 
 def _checks(check: bool | Sequence[bool], n: int) -> list[bool]:
@@ -300,8 +304,7 @@ def all_gather_batch(
     if not pairwise:
         for (output, input, _, label), check in zip(items, checks):
             work = _all_gather_into(output, input, group=group.pg, async_op=True)
-            header = _native_header(group, *_exchange("all_gather", [label], [check], group))
-            handles.append(_settle(CommHandle([work], refs=(output, input), header=header),
+            handles.append(_native("all_gather", work, (output, input), group, label, check,
                                    async_op))
         return handles
     pieces = [[x[1].numel()] if x[2] is None else list(x[2]) for x in items]
@@ -327,9 +330,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group, *,
         return reduce_scatter_batch(items, group, async_op=async_op, check=check)[0]
     n = _nbytes(input)
     _COUNTERS.add("reduce_scatter", n, n * (group.size - 1) / group.size)
-    header = _native_header(group, *_exchange("reduce_scatter", [label], [check], group))
     work = _reduce_scatter_into(output, input, group=group.pg, async_op=True)
-    return _settle(CommHandle([work], refs=(output, input), header=header), async_op)
+    return _native("reduce_scatter", work, (output, input), group, label, check, async_op)
 
 
 def reduce_scatter_batch(
@@ -380,11 +382,10 @@ def all_reduce(tensor: torch.Tensor, group: Group, *,
         return _all_reduce_packed([(tensor, label)], group, async_op, [check])[0]
     n = _nbytes(tensor)
     _COUNTERS.add("all_reduce", n, 2 * n * (group.size - 1) / group.size)
-    header = None
-    if label is not None and check and group.backend == "gloo":
-        header = _native_header(group, *_exchange("all_reduce", [label], [check], group))
     work = dist.all_reduce(tensor, op=op, group=group.pg, async_op=True)
-    return _settle(CommHandle([work], refs=(tensor,), header=header), async_op)
+    if label is None or not check:  # no header: the sequence number is not needed
+        return _settle(CommHandle([work], refs=(tensor,)), async_op)
+    return _native("all_reduce", work, (tensor,), group, label, check, async_op)
 
 
 def all_reduce_batch(items: Sequence[tuple[torch.Tensor, str | None]], group: Group, *,
@@ -495,5 +496,4 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, *,
                                              capacity=_header_capacity()))
         return _settle(handle, async_op)
     work = dist.all_to_all_single(output, input, group=group.pg, async_op=True)
-    header = _native_header(group, *_exchange(kind, [label], [check], group))
-    return _settle(CommHandle([work], refs=(output, input), header=header), async_op)
+    return _native(kind, work, (output, input), group, label, check, async_op)

@@ -146,7 +146,6 @@ def decode(
 ) -> torch.Tensor:
     """The flat tensor of `numel` elements in `out_dtype` that `buffer` encodes (a 2-d buffer
     from a 2-d `encode`: `[rows, numel]`)."""
-    _check(fmt, block_size)
     rows = buffer.reshape(buffer.shape[0], -1) if buffer.dim() == 2 else buffer.reshape(1, -1)
     expected = wire_nbytes(numel, fmt, block_size=block_size, dtype=out_dtype)
     if buffer.dtype != torch.uint8 or rows.shape[1] != expected:

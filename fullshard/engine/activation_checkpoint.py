@@ -46,12 +46,12 @@ import functools
 import warnings
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from fullshard.engine.autograd import in_eager_backward, in_eager_forward
 from fullshard.engine.entry import enclosing_units, entry_points
-from fullshard.engine.wrap import normalize_policy
+from fullshard.engine.wrap import normalize_policy, policy_modules
 
 if TYPE_CHECKING:
     from fullshard.engine.hooks import Runtime
@@ -62,28 +62,10 @@ def _checkpointed_modules(
     model: nn.Module, policy: object, numel_of: dict[int, int]
 ) -> list[nn.Module]:
     """The modules torch's `apply_activation_checkpointing(model, auto_wrap_policy=policy)`
-    would wrap on the unsharded model: its recursive rule (ask with `recurse=True` and the
-    subtree's parameter count whether to look inside, then bottom-up with `recurse=False` and
-    the count not yet claimed below), never the root. `numel_of` gives each parameter's
-    unsharded size (the registered ones are shards by now)."""
+    would wrap on the unsharded model (`numel_of`: unsharded sizes, the registered parameters
+    are shards by now)."""
     fn = normalize_policy(policy)
-    if fn is None:
-        return []
-    chosen: list[nn.Module] = []
-
-    def visit(module: nn.Module, is_root: bool) -> int:
-        numel = sum(numel_of.get(id(p), p.numel()) for p in module.parameters())
-        if not fn(module, True, numel):
-            return 0
-        wrapped = sum(visit(child, False) for child in module.children())
-        if not is_root and fn(module, False, numel - wrapped):
-            chosen.append(module)
-            return numel
-        return wrapped
-
-    visit(model, True)
-    picked = {id(m) for m in chosen}  # a module reused at two places is checkpointed once
-    return [m for m in model.modules() if id(m) in picked]
+    return [] if fn is None else policy_modules(model, fn, numel_of=numel_of, claim=False)
 
 
 def apply_activation_checkpointing(model: nn.Module, policy: object, runtime: Runtime) -> None:
@@ -102,21 +84,8 @@ def apply_activation_checkpointing(model: nn.Module, policy: object, runtime: Ru
     numel_of = {id(p.param): p.layout.numel for u in runtime.units for p in u.params}
     for module in _checkpointed_modules(model, policy, numel_of):
         needed = enclosing_units(module, runtime, called=False)
-        original = module.forward
-        module.forward = functools.partial(_checkpointed_forward, original, runtime, needed)
+        module.forward = functools.partial(_checkpointed_forward, module.forward, runtime, needed)
     hook_model_checkpointing(model, runtime)
-
-
-def _is_torch_checkpoint_wrapper(module: nn.Module) -> bool:
-    """torch's `CheckpointWrapper` (`apply_activation_checkpointing` before wrapping): its
-    forward runs `checkpoint_fn(wrapped_module, ...)`, which is guarded as HF's function is."""
-    return type(module).__name__ == "CheckpointWrapper" and callable(
-        getattr(module, "checkpoint_fn", None))
-
-
-def _is_hf_checkpointing_layer(module: nn.Module) -> bool:
-    """A Hugging Face `GradientCheckpointingLayer` (by name: transformers is not imported)."""
-    return any(c.__name__ == "GradientCheckpointingLayer" for c in type(module).__mro__)
 
 
 class _RecomputeGuard:
@@ -146,7 +115,7 @@ def _guard_layers(layers: list[tuple[nn.Module, list[Unit]]], runtime: Runtime) 
 
 def _guard_before_forward(layers: list[tuple[nn.Module, list[Unit]]], runtime: Runtime,
                           *_: Any) -> None:
-    if not torch.compiler.is_compiling() and not _in_backward():
+    if in_eager_forward():
         _guard_layers(layers, runtime)
 
 
@@ -156,8 +125,12 @@ def hook_model_checkpointing(model: nn.Module, runtime: Runtime) -> None:
     installed (none owns a parameter they use outside units nested in them) are left alone."""
     layers: list[tuple[nn.Module, list[Unit]]] = []
     for module in model.modules():
-        wrapper = _is_torch_checkpoint_wrapper(module)
-        if not (wrapper or _is_hf_checkpointing_layer(module)):
+        # torch's CheckpointWrapper runs `checkpoint_fn(wrapped_module, ...)`, guarded as HF's
+        # function is; HF's layers by class name too (transformers is not imported)
+        wrapper = type(module).__name__ == "CheckpointWrapper" and callable(
+            getattr(module, "checkpoint_fn", None))
+        if not (wrapper or any(c.__name__ == "GradientCheckpointingLayer"
+                               for c in type(module).__mro__)):
             continue
         needed = enclosing_units(module, runtime, called=False)
         if needed and wrapper:  # its checkpoint function is set once, at construction
@@ -170,13 +143,6 @@ def hook_model_checkpointing(model: nn.Module, runtime: Runtime) -> None:
     # The ways into the model: every forward that reaches a layer passes one of them first.
     for way_in in (model, *entry_points(model)):
         way_in.register_forward_pre_hook(functools.partial(_guard_before_forward, layers, runtime))
-
-
-def _in_backward() -> bool:
-    """Inside an eager backward. Traced as False under torch.compile (no graph break in a
-    compiled forward that calls a hooked layer; a compiled region's recomputation is
-    compiled code that reads its saved inputs, not the module's attributes)."""
-    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 def _install_for_recompute(runtime: Runtime, needed: list[Unit]) -> None:
@@ -195,11 +161,6 @@ def _install_for_recompute(runtime: Runtime, needed: list[Unit]) -> None:
         unit.install_recomputed(runtime)
 
 
-def _uninstall_after_recompute(needed: list[Unit]) -> None:
-    for unit in needed:
-        unit.uninstall()
-
-
 def _checkpointed_forward(
     original: Any, runtime: Runtime, needed: list[Unit], *args: Any, **kwargs: Any
 ) -> Any:
@@ -207,11 +168,12 @@ def _checkpointed_forward(
 
 
 def _run(original: Any, runtime: Runtime, needed: list[Unit], *args: Any, **kwargs: Any) -> Any:
-    if not _in_backward():
+    if not in_eager_backward():
         return original(*args, **kwargs)
     # Recomputation inside backward: the hooks of the enclosing units are not running.
     _install_for_recompute(runtime, needed)
     try:
         return original(*args, **kwargs)
     finally:
-        _uninstall_after_recompute(needed)
+        for unit in needed:
+            unit.uninstall()

@@ -20,13 +20,10 @@ What autograd holds of a unit, and for how long:
   shards' AccumulateGrad never runs -- except under `torch.autograd.grad`, where the
   reduced local-shard gradients are returned. Autograd has no flag for which of the two is
   running: `writes_grad` asks whether the engine will execute a shard's AccumulateGrad node.
-- Lifetime. Backward formulas save what they need (a Linear saves its weight: a view of the
-  buffer) until backward. Under ZeRO-3 they must not keep the buffer alive, so while the root
-  runs forward, saved-tensor hooks turn such views into tokens and unpacking one gathers the
-  unit again ([Note: ZeRO-3 and saved tensors]). A buffer thus lives from its unit's gather
-  to its `Unit.reshard` and no longer: the views in the modules' `__dict__` are removed by
-  the post-forward hook first, autograd holds tokens, and the Functions' outputs are those
-  same views.
+- Lifetime. A buffer lives from its unit's gather to its `Unit.reshard` and no longer: the
+  views in the modules' `__dict__` are removed by the post-forward hook first, autograd holds
+  tokens instead of the views its backward formulas saved ([Note: ZeRO-3 and saved tensors]),
+  and the Functions' outputs are those same views.
 - When a unit's backward is done: every autograd node it created in the forward pass has
   run -- one `GatheredParams` per (re)gathered call or, for a unit with nothing trainable
   whose inputs require grad, one `BackwardDone` on its inputs (so a frozen unit that ZeRO-3
@@ -42,18 +39,15 @@ head runs could reduce it early.)
 
 [Note: ZeRO-3 and saved tensors]
 Autograd saves the unsharded parameters its backward formulas need (a Linear saves its
-weight). If those references stayed, ZeRO-3 would quietly hold every unit until backward, i.e.
-behave like ZeRO-2 with identical numbers. So while the root runs forward under ZeRO-3 we push
-`saved_tensors_hooks`: a saved tensor whose storage is a gathered bucket buffer is packed as a
-`SavedParamView` (bucket + offset/size/stride, no data); unpacking it in backward gathers the
-unit again (prefetching the one expected next) and returns the same view of the new buffer.
-This only works because the tensors handed to modules are views of the tracked buffer, never
-copies (see bucket.py). Only the root pushes the hooks: the innermost hooks win and ours
-handle every unit.
-
-The runtime (hooks.py) tells `SavedParams` which buffers are gathered (`track` / `untrack`),
-pushes the hooks for the root's forward and pops them at its end; unpacking a token calls the
-runtime back (`regather`) before the view of the new buffer is returned.
+weight: a view of the buffer). If those references stayed, ZeRO-3 would quietly hold every
+unit until backward, i.e. behave like ZeRO-2 with identical numbers. So while the root runs
+forward under ZeRO-3 the runtime (hooks.py) pushes `saved_tensors_hooks`: a saved tensor whose
+storage is a gathered bucket buffer (`SavedParams.track`) is packed as a `SavedParamView`
+(bucket + offset/size/stride, no data); unpacking it in backward calls the runtime back
+(`regather`: the unit is gathered again, prefetching the one expected next) and returns the
+same view of the new buffer. This only works because the tensors handed to modules are views
+of the tracked buffer, never copies (see bucket.py). Only the root pushes the hooks: the
+innermost hooks win and ours handle every unit.
 """
 
 from __future__ import annotations
@@ -106,20 +100,13 @@ class GatheredParams(torch.autograd.Function):
         return (None, None, *shard_grads)
 
 
-class RecomputedParams(torch.autograd.Function):
+class RecomputedParams(GatheredParams):
     """`GatheredParams` for a recomputation inside backward (activation checkpointing).
 
     Its node is not counted among the unit's nodes of the pass (see [Note: recomputed
     forwards] in engine/unit.py); its backward, which runs only when a reentrant
     checkpoint differentiates the recomputed graph, adds the unit's gradients to the unit's
     sum of the pass instead of reducing them."""
-
-    @staticmethod
-    def forward(ctx: Any, runtime: GradientSink, unit: Unit, *shards: torch.Tensor) -> tuple:
-        ctx.runtime = runtime
-        ctx.unit = unit
-        ctx.set_materialize_grads(False)
-        return tuple(unit.trainable_views())
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
@@ -146,6 +133,18 @@ class BackwardDone(torch.autograd.Function):
 def in_backward() -> bool:
     """Autograd is running a backward task on this thread (a forward now is a recomputation)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def in_eager_backward() -> bool:
+    """`in_backward()`, traced as False under torch.compile (no graph break in a compiled
+    forward that calls a hooked module; a compiled region's recomputation is compiled code
+    that reads its saved inputs, not the module's attributes)."""
+    return not torch.compiler.is_compiling() and in_backward()
+
+
+def in_eager_forward() -> bool:
+    """Outside any backward, and not traced by torch.compile."""
+    return not torch.compiler.is_compiling() and not in_backward()
 
 
 def writes_grad(acc_node: Any) -> bool:

@@ -18,6 +18,7 @@ conversion off for the duration of the call.
 from __future__ import annotations
 
 import contextvars
+import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -96,30 +97,23 @@ class StateDictMesh:
                                   shape=shape, stride=_contiguous_stride(shape))
 
 
-def register_dtensor_state_dict(units: Iterable[Unit], mesh: ShardMesh) -> StateDictMesh:
+def register_dtensor_state_dict(units: Iterable[Unit], mesh: ShardMesh) -> None:
     """One state-dict post-hook per module that holds sharded parameters: each of them
     becomes a `DTensor` in `state_dict()` (see the module docstring)."""
     sd_mesh = StateDictMesh(mesh)
     for module, params in params_by_module(sp for unit in units for sp in unit.params).items():
-        module.register_state_dict_post_hook(_AsDTensors(params, sd_mesh))
-    return sd_mesh
+        module.register_state_dict_post_hook(functools.partial(_as_dtensors, params, sd_mesh))
 
 
-class _AsDTensors:
-    """The state-dict post-hook of one module (see `register_dtensor_state_dict`)."""
-
-    def __init__(self, params: dict[str, ShardedParam], sd_mesh: StateDictMesh) -> None:
-        self.params = params
-        self.sd_mesh = sd_mesh
-
-    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, *_: object) -> None:
-        if _LOCAL_VALUES.get():
-            return
-        for name, sp in self.params.items():
-            key = prefix + name
-            value = state_dict.get(key)
-            if isinstance(value, torch.Tensor) and not is_dtensor(value):
-                state_dict[key] = self.sd_mesh.as_dtensor(key, value, sp.layout)
+def _as_dtensors(params: dict[str, ShardedParam], sd_mesh: StateDictMesh, module: nn.Module,
+                 state_dict: dict, prefix: str, *_: object) -> None:
+    if _LOCAL_VALUES.get():
+        return
+    for name, sp in params.items():
+        key = prefix + name
+        value = state_dict.get(key)
+        if isinstance(value, torch.Tensor) and not is_dtensor(value):
+            state_dict[key] = sd_mesh.as_dtensor(key, value, sp.layout)
 
 
 def is_dtensor(value: object) -> bool:

@@ -28,8 +28,9 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
+
+from fullshard.engine.autograd import in_eager_forward
 
 if TYPE_CHECKING:
     from fullshard.engine.hooks import Runtime
@@ -87,32 +88,24 @@ def hook_entry_points(model: nn.Module, runtime: Runtime) -> None:
         )
 
 
-def _outside_forward() -> bool:
-    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() == -1
-
-
 def _enter(
     runtime: Runtime, enclosing: list[Unit], opened: list[list[Unit]],
     module: nn.Module, args: Any, kwargs: Any,
 ) -> Any:
-    if not _outside_forward():
+    if not in_eager_forward():
         return None
     todo = [u for u in enclosing if not u.is_installed]
     if not todo:
         return None
     opened.append(todo)
-    changed = False
     for unit in todo:
-        result = runtime.pre_forward(unit, module, args, kwargs)
-        if result is not None:
-            args, kwargs = result
-            changed = True
-    return (args, kwargs) if changed else None
+        args, kwargs = runtime.pre_forward(unit, module, args, kwargs) or (args, kwargs)
+    return args, kwargs
 
 
 def _leave(runtime: Runtime, opened: list[list[Unit]], module: nn.Module, args: Any,
            output: Any) -> None:
-    if not opened or not _outside_forward():
+    if not opened or not in_eager_forward():
         return
     for unit in reversed(opened.pop()):
         runtime.post_forward(unit, module, args, output)

@@ -1,10 +1,8 @@
 """Full (unsharded) state dicts of a wrapped model, gathered or loaded one parameter at a time.
 
-`model.state_dict()` of a wrapped model needs no communication: it holds `DTensor`s over the
-local shards under the original names (dtensor_state.py). `full_state_dict` gathers each
-parameter over the shard axis in turn (moving it to CPU as it arrives when asked), so at
-most one full parameter is in flight
-besides what the caller keeps -- with `rank0_only` the other ranks keep nothing.
+`full_state_dict` gathers each parameter over the shard axis in turn (moving it to CPU as it
+arrives when asked), so at most one full parameter is in flight besides what the caller
+keeps -- with `rank0_only` the other ranks keep nothing.
 `load_full_state_dict` does the reverse without communication: every rank copies its own
 rows out of the full tensors (which may be memory-mapped, so only those rows are read).
 
@@ -15,6 +13,7 @@ engine's full state dict and the full checkpoint format share one implementation
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
 
@@ -174,22 +173,17 @@ def register_sharded_loading(units: Iterable[Unit]) -> None:
     after any pre-hook the module registered before it was wrapped.
     """
     for module, params in params_by_module(sp for unit in units for sp in unit.params).items():
-        module.register_load_state_dict_pre_hook(_ShardedLoading(params))
+        module.register_load_state_dict_pre_hook(functools.partial(_load_own_rows, params))
 
 
-class _ShardedLoading:
-    """The load pre-hook of one module (see `register_sharded_loading`)."""
-
-    def __init__(self, params: dict[str, ShardedParam]) -> None:
-        self.params = params
-
-    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, *_: object) -> None:
-        # `state_dict` is torch's copy for this module: rewriting it leaves the caller's alone.
-        for name, sp in self.params.items():
-            key = prefix + name
-            value = state_dict.get(key)
-            if isinstance(value, torch.Tensor):
-                state_dict[key] = _as_own_rows(key, value, sp.layout)
+def _load_own_rows(params: dict[str, ShardedParam], module: nn.Module, state_dict: dict,
+                   prefix: str, *_: object) -> None:
+    # `state_dict` is torch's copy for this module: rewriting it leaves the caller's alone.
+    for name, sp in params.items():
+        key = prefix + name
+        value = state_dict.get(key)
+        if isinstance(value, torch.Tensor):
+            state_dict[key] = _as_own_rows(key, value, sp.layout)
 
 
 def _as_own_rows(key: str, value: torch.Tensor, layout: ShardLayout) -> torch.Tensor:

@@ -27,12 +27,11 @@ class Ignored:
 
 
 def resolve_ignored(root: nn.Module, states: Iterable[object] | None) -> Ignored:
-    """`states`: modules or parameters of `root` (torch's `ignored_states`; all of one kind
-    is what torch asks, mixing is accepted here)."""
+    """`states`: modules or parameters of `root` (torch's `ignored_states`, as
+    `config.check_ignored_states` returns it; all of one kind is what torch asks, mixing is
+    accepted here)."""
     if states is None:
         return Ignored()
-    if isinstance(states, nn.Module | nn.Parameter):
-        states = [states]
     modules: set[int] = set()
     params: set[int] = set()
     known_params = {id(p) for p in root.parameters()}

@@ -71,21 +71,16 @@ def _record_full_shapes(root: nn.Module) -> dict[tuple[int, str], torch.Size]:
     return shapes
 
 
-def _fill_sentinel(t: torch.Tensor) -> None:
+def _sentinel(t: torch.Tensor) -> bool | float | int:
     if t.dtype == torch.bool:
-        t.fill_(True)
-    elif t.is_floating_point() or t.is_complex():
-        t.fill_(float("nan"))
-    else:
-        t.fill_(torch.iinfo(t.dtype).min)
+        return True
+    return float("nan") if t.is_floating_point() or t.is_complex() else torch.iinfo(t.dtype).min
 
 
 def _still_sentinel(t: torch.Tensor) -> bool:
-    if t.dtype == torch.bool:
-        return bool(t.all())
     if t.is_floating_point() or t.is_complex():
         return bool(torch.isnan(t).all())
-    return bool((t == torch.iinfo(t.dtype).min).all())
+    return bool((t == _sentinel(t)).all())
 
 
 def _unit_modules(unit_module: nn.Module, unit_ids: set[int]) -> list[nn.Module]:
@@ -124,9 +119,7 @@ def materialize_unit(
     param_init_fn: Callable[[nn.Module], object] | None = None,
 ) -> None:
     names = {id(m): n for n, m in root.named_modules()}
-    refs_by_param: dict[int, list[tuple[nn.Module, str]]] = {}
-    for o in owned:
-        refs_by_param[id(o.current)] = o.refs
+    refs_by_param = {id(o.current): o.refs for o in owned}
     # Decide which modules to reset before materializing anything: materializing a tied
     # parameter for its first holder must not make a later holder look already initialized.
     to_reset = [m for m in _unit_modules(unit_module, unit_ids) if _has_meta(m)]
@@ -155,14 +148,14 @@ def materialize_unit(
             if p is None or not p.is_meta:
                 continue
             new = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
-            _fill_sentinel(new)
+            new.fill_(_sentinel(new))
             fresh.append((module, "parameter", name, new, new._version))
             for holder, attr in refs_by_param.get(id(p), [(module, name)]):
                 holder._parameters[attr] = new
         for name, b in list(module._buffers.items()):
             if b is not None and b.is_meta:
                 new_b = torch.empty_like(b, device=device)
-                _fill_sentinel(new_b)
+                new_b.fill_(_sentinel(new_b))
                 fresh.append((module, "buffer", name, new_b, new_b._version))
                 module._buffers[name] = new_b
     # Parameters of other units (tied, already materialized and sharded) held by modules about

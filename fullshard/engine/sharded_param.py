@@ -31,14 +31,13 @@ class ShardedParam:
     """Element offset of this parameter's padded shard inside its bucket's flat shard."""
     param: nn.Parameter = field(init=False, repr=False)
 
-    def attach(self, padded_shard: torch.Tensor) -> nn.Parameter:
+    def attach(self, padded_shard: torch.Tensor) -> None:
         """Make the local `nn.Parameter` a view of `padded_shard`'s real rows and register it
         in every module that held the original parameter."""
         local = padded_shard[: self.layout.local_rows]
         self.param = nn.Parameter(local, requires_grad=self.requires_grad)
         for module, name in self.refs:
             module._parameters[name] = self.param
-        return self.param
 
 
 def params_by_module(params: Iterable[ShardedParam]) -> dict[nn.Module, dict[str, ShardedParam]]:

@@ -9,10 +9,8 @@ on the source rank -- are ever allocated at once):
    a. meta-device modules of the unit are materialized on the device and initialized with
       their own `reset_parameters()` (`materialize.py`), so a model built on the meta device
       never exists in full;
-   b. its parameters are grouped into buckets by the bucketing strategy, dtype and
-      `requires_grad` (a bucket's flat buffers need one dtype; frozen parameters are gathered
-      but never reduced, so they never share a bucket with trainable ones): `unit_buckets`,
-      which `unit_specs` also gives the planner for a model it does not change;
+   b. its parameters are grouped into buckets (`unit_buckets`, which `unit_specs` also gives
+      the planner for a model it does not change);
    c. each bucket's flat shard is filled from the local values, or scattered from
       `broadcast_from`, and the local shards replace the parameters under their names;
 3. buffers move to the device (cast to the buffer dtype, broadcast from `broadcast_from`);
@@ -37,7 +35,7 @@ from fullshard.engine.activation_checkpoint import apply_activation_checkpointin
 from fullshard.engine.bucket import Bucket
 from fullshard.engine.dtensor_state import register_dtensor_state_dict
 from fullshard.engine.eager import register_unit_hooks
-from fullshard.engine.full_state import register_sharded_loading
+from fullshard.engine.full_state import own_rows, register_sharded_loading
 from fullshard.engine.hooks import Runtime
 from fullshard.engine.ignored import Ignored
 from fullshard.engine.layout import ShardLayout
@@ -99,7 +97,11 @@ def shard_module(
         materialize_unit(model, module, set(map(id, unit_modules)), mine, device, param_init_fn)
         buckets = []
         for spec in unit_buckets(mine, bucketing, mixed_precision, fp_ids):
-            params = [_sharded_param(o, mesh) for o in spec.params]
+            params = [
+                ShardedParam(o.name, ShardLayout(o.current.shape, mesh.shard.size, mesh.shard.rank),
+                             o.current.requires_grad, o.refs)
+                for o in spec.params
+            ]
             bucket = Bucket(
                 params,
                 mesh,
@@ -190,10 +192,20 @@ def unit_buckets(
     `requires_grad` and full precision (a bucket's flat buffers need one dtype; frozen
     parameters are gathered but never reduced; full-precision ones gather in their own dtype),
     with each bucket's dtypes. `shard_module` builds exactly these (the planner counts them)."""
+    groups: dict[tuple, list[ParamOwnership]] = {}
+    for i, o in enumerate(owned):
+        full = holds_full_precision(o.refs, fp_ids)  # gathered in its own dtype (precision.py)
+        kind = (o.current.dtype, o.current.requires_grad, full)
+        if bucketing is FSDPBucketingStrategy.NONE:
+            key: tuple = (i, kind)
+        elif bucketing is FSDPBucketingStrategy.LAYER:
+            key = (id(o.refs[0][0]), kind)
+        else:
+            key = (kind,)
+        groups.setdefault(key, []).append(o)
     specs = []
-    for group in _bucket_groups(owned, bucketing, fp_ids):
-        dtype = group[0].current.dtype
-        full = holds_full_precision(group[0].refs, fp_ids)
+    for key, group in groups.items():
+        dtype, _, full = key[-1]
         compute, reduce = bucket_dtypes(mixed_precision, dtype, full)
         specs.append(BucketSpec(tuple(group), dtype, compute, reduce, full,
                                 keeps_low_precision_grads(mixed_precision, full)))
@@ -221,30 +233,6 @@ def unit_specs(
     ]
 
 
-def _sharded_param(o: ParamOwnership, mesh: ShardMesh) -> ShardedParam:
-    layout = ShardLayout(o.current.shape, mesh.shard.size, mesh.shard.rank)
-    return ShardedParam(o.name, layout, o.current.requires_grad, o.refs)
-
-
-def _bucket_groups(
-    owned: Sequence[ParamOwnership],
-    bucketing: FSDPBucketingStrategy,
-    fp_ids: set[int] | frozenset[int] = frozenset(),
-) -> list[list[ParamOwnership]]:
-    groups: dict[tuple, list[ParamOwnership]] = {}
-    for i, o in enumerate(owned):
-        full = holds_full_precision(o.refs, fp_ids)  # gathered in its own dtype (precision.py)
-        kind = (o.current.dtype, o.current.requires_grad, full)
-        if bucketing is FSDPBucketingStrategy.NONE:
-            key: tuple = (i,)
-        elif bucketing is FSDPBucketingStrategy.LAYER:
-            key = (id(o.refs[0][0]), *kind)
-        else:
-            key = kind
-        groups.setdefault(key, []).append(o)
-    return list(groups.values())
-
-
 @torch.no_grad()
 def _fill_bucket(
     bucket: Bucket,
@@ -255,9 +243,8 @@ def _fill_bucket(
 ) -> None:
     if broadcast_from is None:
         for sp, o in zip(bucket.params, group):
-            start, stop = sp.layout.owned
-            rows = o.current.detach().reshape(sp.layout.dim0, *sp.layout.rest)
-            bucket.padded_shard(sp)[: stop - start].copy_(rows[start:stop])
+            own = own_rows(o.current.detach(), sp.layout)
+            bucket.padded_shard(sp)[: sp.layout.local_rows].copy_(own)
         return
     # Scatter: the source packs every shard rank's rows (rank-major, zero padded) and each
     # rank receives only its own shard of the bucket.

@@ -44,26 +44,16 @@ _FIX = (
 THUNDER_INTERPRETER = "thunder.core.interpreter"
 
 
-def thunder_module_in(model: nn.Module) -> str | None:
-    """The name of a `thunder.jit` module in `model` (`'<root>'` for the model itself), or
-    None when there is none (always None while thunder is not imported)."""
-    thunder_module = getattr(sys.modules.get("thunder.core.module"), "ThunderModule", None)
-    if thunder_module is None:
-        return None
-    for name, module in model.named_modules():
-        if isinstance(module, thunder_module):
-            return name or "<root>"
-    return None
-
-
 def refuse_thunder_module(model: nn.Module) -> None:
     """`fsdp(thunder.jit(model))` (or a model holding a `thunder.jit` submodule): a
-    TypeError naming it and the fix."""
-    name = thunder_module_in(model)
-    if name is None:
+    TypeError naming it and the fix (never while thunder is not imported)."""
+    thunder_module = getattr(sys.modules.get("thunder.core.module"), "ThunderModule", None)
+    if thunder_module is None:
         return
-    where = "fsdp() was given a" if name == "<root>" else f"the model's submodule {name!r} is a"
-    raise TypeError(f"{where} thunder ThunderModule (from thunder.jit). {_FIX}")
+    for name, module in model.named_modules():
+        if isinstance(module, thunder_module):
+            where = f"the model's submodule {name!r} is a" if name else "fsdp() was given a"
+            raise TypeError(f"{where} thunder ThunderModule (from thunder.jit). {_FIX}")
 
 
 def refuse_thunder_trace(unit_name: str) -> None:

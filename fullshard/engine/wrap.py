@@ -25,6 +25,7 @@ module holding it: for a weight tied between two units, their innermost common a
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -45,7 +46,7 @@ def normalize_policy(policy: object, name: str = "auto_wrap_policy") -> WrapPoli
     `policy=None` (the default units) is resolved per model by `choose_units`; here it is
     only validated, like every other spelling.
     """
-    if policy is None or _is_root_only(policy):
+    if policy is None or (isinstance(policy, str) and policy == ROOT_ONLY):
         return None
     if isinstance(policy, type):  # a class is callable, but never a (module, recurse, n) policy
         policy = {policy}
@@ -101,9 +102,7 @@ class UnitChoice:
 
 def describe_unit_classes(class_names: Iterable[str]) -> str:
     """'root + 2 x GPT2Block' for the non-root units' class names."""
-    counts: dict[str, int] = {}
-    for name in class_names:
-        counts[name] = counts.get(name, 0) + 1
+    counts = Counter(class_names)  # in first-seen order
     return " + ".join(["root", *(f"{n} x {c}" for c, n in counts.items())])
 
 
@@ -113,36 +112,23 @@ def default_unit_modules(
     """The default units besides the root, and the rule that picked them (module docstring).
     Ignored modules never become units."""
     skip = ignored.modules if ignored is not None else frozenset()
-    found, reason = _default_blocks(root)
-    return [m for m in found if id(m) not in skip], reason
-
-
-def _default_blocks(root: nn.Module) -> tuple[list[nn.Module], str]:
     wanted = set(getattr(root, "_no_split_modules", None) or ())
-    if wanted:
-        found = [m for m in root.modules() if m is not root and type(m).__name__ in wanted]
-        if found:
-            return found, "default: _no_split_modules"
+    found = [m for m in root.modules() if m is not root and type(m).__name__ in wanted]
+    if found:
+        return [m for m in found if id(m) not in skip], "default: _no_split_modules"
     blocks: list[nn.Module] = []
 
     def visit(module: nn.Module) -> None:
-        for child in module.children():
-            if _is_repeated_blocks(child):
-                blocks.extend(child.children())  # not looking inside the blocks
-            else:
+        if _is_repeated_blocks(module):
+            blocks.extend(module.children())  # not looking inside the blocks
+        else:
+            for child in module.children():
                 visit(child)
 
-    if _is_repeated_blocks(root):
-        blocks.extend(root.children())
-    else:
-        visit(root)
+    visit(root)
     if blocks:
-        return blocks, "default: repeated blocks"
+        return [m for m in blocks if id(m) not in skip], "default: repeated blocks"
     return [], "default: root only, no repeated blocks found"
-
-
-def _is_root_only(policy: object) -> bool:
-    return isinstance(policy, str) and policy == ROOT_ONLY
 
 
 def _is_repeated_blocks(module: nn.Module) -> bool:
@@ -163,11 +149,15 @@ def choose_units(
     by `mark_unit` (torch's `wrap()` under `module_sharded_context`) are units either way."""
     if policy is None:
         extra, reason = default_unit_modules(root, ignored)
-        ids = {id(root), *map(id, extra), *map(id, _manual_units(root, ignored))}
-        return UnitChoice(tuple(m for m in root.modules() if id(m) in ids), reason)
-    modules = _select_by_policy(root, policy, ignored)
-    reason = "auto_wrap_policy" if len(modules) > 1 else "root only"
-    return UnitChoice(tuple(modules), reason)
+    else:
+        fn = normalize_policy(policy)
+        extra = [] if fn is None else policy_modules(root, fn, ignored)
+        reason = ""  # named below, once the units are known
+    ids = {id(root), *map(id, extra), *map(id, _manual_units(root, ignored))}
+    modules = tuple(m for m in root.modules() if id(m) in ids)
+    if not reason:
+        reason = "auto_wrap_policy" if len(modules) > 1 else "root only"
+    return UnitChoice(modules, reason)
 
 
 def _manual_units(root: nn.Module, ignored: Ignored | None) -> list[nn.Module]:
@@ -182,31 +172,35 @@ def select_units(
     return list(choose_units(root, policy, ignored).modules)
 
 
-def _select_by_policy(
-    root: nn.Module, policy: object, ignored: Ignored | None = None
+def policy_modules(
+    root: nn.Module, fn: WrapPolicy, ignored: Ignored | None = None,
+    numel_of: dict[int, int] | None = None, *, claim: bool = True,
 ) -> list[nn.Module]:
-    fn = normalize_policy(policy)
-    ignored = ignored or Ignored()
-    chosen: set[int] = {id(root), *map(id, _manual_units(root, ignored))}
-    if fn is not None:
-        seen: set[int] = set(ignored.params)
+    """The modules (never the root) torch's recursive rule picks under `fn`, in `modules()`
+    order: ask with `recurse=True` and the subtree's parameter count whether to look inside,
+    then bottom-up with `recurse=False` and the count not yet claimed below whether to pick
+    the module. `numel_of`: unsharded sizes by parameter id (the registered ones may be shards
+    by now); `claim`: a picked module's parameters count for no module visited after it."""
+    skip = ignored.modules if ignored is not None else frozenset()
+    seen: set[int] = set(ignored.params) if ignored is not None else set()
+    numel_of = numel_of or {}
+    chosen: set[int] = set()
 
-        def visit(module: nn.Module, is_root: bool) -> int:
-            """Returns the parameter count claimed by units in this subtree (torch's rule)."""
-            numel = sum(p.numel() for p in module.parameters() if id(p) not in seen)
-            if not fn(module, True, numel):
-                return 0
-            wrapped = sum(
-                visit(child, False) for child in module.children()
-                if id(child) not in ignored.modules
-            )
-            if not is_root and fn(module, False, numel - wrapped):
-                chosen.add(id(module))
+    def visit(module: nn.Module, is_root: bool) -> int:
+        """Returns the parameter count claimed by picked modules in this subtree."""
+        numel = sum(numel_of.get(id(p), p.numel()) for p in module.parameters()
+                    if id(p) not in seen)
+        if not fn(module, True, numel):
+            return 0
+        wrapped = sum(visit(child, False) for child in module.children() if id(child) not in skip)
+        if not is_root and fn(module, False, numel - wrapped):
+            chosen.add(id(module))
+            if claim:
                 seen.update(id(p) for p in module.parameters())
-                return numel
-            return wrapped
+            return numel
+        return wrapped
 
-        visit(root, True)
+    visit(root, True)
     return [m for m in root.modules() if id(m) in chosen]
 
 
