@@ -1,7 +1,7 @@
 """Compressed collectives on an emulated cluster: step time, link bytes and loss against exact.
 
     sudo python benchmarks/cluster_compression.py --config B --rates 1000 200 --reps 3
-    python benchmarks/cluster_compression.py --render results/<date>-cluster-compression.json
+    python benchmarks/cluster_compression.py --render results/<date>-cluster-compression-B.json
     sudo python benchmarks/cluster_compression.py --nproc 2 --impls-set hierarchy --config A
 
 Two hosts (network namespaces, `--nproc` ranks each, tbf-shaped veth links: `cluster_net.py`),
@@ -231,7 +231,8 @@ def main() -> int:
     if not args.no_record:
         args.results_dir.mkdir(parents=True, exist_ok=True)
         name = {"compression": "cluster-compression", "hierarchy": "cluster-hierarchy"}
-        path = args.results_dir / f"{datetime.date.today().isoformat()}-{name[args.impls_set]}.json"
+        stem = f"{datetime.date.today().isoformat()}-{name[args.impls_set]}-{args.config}"
+        path = args.results_dir / f"{stem}.json"
         path.write_text(json.dumps(section, indent=1) + "\n")
         path.with_suffix(".md").write_text(text)
         print(f"wrote {path} and {path.with_suffix('.md')}")
